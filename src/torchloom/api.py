@@ -1,0 +1,235 @@
+"""`auto_accelerate`: an unchanged model and training recipe in, a distributed job out."""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .context import AccelContext
+from .errors import StrategyError
+from .parallel.distributed import init_distributed
+from .parallel.mesh import ParallelMesh
+from .strategy.strategy import Strategy, StrategyLike
+from .train_step import TrainStep, call_model
+
+log = logging.getLogger("torchloom")
+
+
+@dataclass
+class AccelerateResult:
+    """What :func:`auto_accelerate` returns.
+
+    Attributes:
+        model: the transformed model (DDP/FSDP-wrapped, cast, checkpointed, compiled as the strategy says).
+        optimizer: built after sharding, over the trainable parameters only (wrapped for zero1).
+        dataloader: a ``StatefulDataLoader`` yielding this rank's micro-batches (None without a dataset).
+        loss_func: the user's loss function.
+        lr_scheduler: built on the optimizer, or None.
+        strategy: the validated :class:`Strategy` (with implied methods).
+        mesh: the :class:`ParallelMesh` (degrees, groups, dp rank/size).
+        train_step: ``train_step(batch) -> loss``; see :class:`torchloom.train_step.TrainStep`.
+        grad_accum_steps / micro_batch_size / global_batch_size: the derived batch arithmetic.
+        loss_scaler: the fp16 dynamic loss scaler (amp fp16), else None.
+        notes: what each method did, in order.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    dataloader: Any
+    loss_func: Callable | None
+    lr_scheduler: Any
+    strategy: Strategy
+    mesh: ParallelMesh
+    train_step: TrainStep
+    grad_accum_steps: int = 1
+    micro_batch_size: int | None = None
+    global_batch_size: int | None = None
+    loss_scaler: Any = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    notes: list[str] = field(default_factory=list)
+
+    def forward_loss(self, batch: Any, model_input_format: str | None = None) -> torch.Tensor:
+        """Loss of one batch without backward (for evaluation); runs the model as ``train_step`` does."""
+        ts = self.train_step
+        batch = ts.prepare_input(batch, ts.device)
+        out = ts.loss_func(batch, call_model(self.model, batch, ts.model_input_format))
+        from .train_step import SumLoss
+
+        if isinstance(out, SumLoss):
+            return out.total.detach().float() / max(float(out.count), 1.0)
+        return (out[0] if isinstance(out, (tuple, list)) else out).detach().float()
+
+
+def auto_accelerate(
+    model: nn.Module,
+    optim_func: Callable[..., torch.optim.Optimizer] | type[torch.optim.Optimizer] | None = None,
+    dataset: Any = None,
+    loss_func: Callable[[Any, Any], Any] | None = None,
+    strategy: StrategyLike = None,
+    *,
+    optim_args: dict[str, Any] | None = None,
+    dataloader_args: dict[str, Any] | None = None,
+    model_input_format: str | None = None,
+    prepare_input: Callable[[Any, torch.device], Any] | None = None,
+    lr_scheduler_cls: Callable | None = None,
+    lr_scheduler_args: dict[str, Any] | None = None,
+    max_grad_norm: float | None = None,
+    seed: int = 0,
+) -> AccelerateResult:
+    """Turn a single-device model and recipe into a distributed one (ATorch-compatible signature).
+
+    Args:
+        model: an unchanged ``nn.Module`` on CPU or the meta device (materialised after sharding).
+        optim_func: optimizer class or ``callable(params, **optim_args)``; built after sharding over the
+            parameters that require grad.
+        dataset: map-style or iterable dataset, or None.
+        loss_func: ``loss_func(batch, output) -> loss`` (0-dim tensor), a tuple whose first item is the loss,
+            or :class:`~torchloom.train_step.SumLoss` to normalise by the global item count.
+        strategy: list of methods (``["fsdp", ("amp", {"dtype": "bfloat16"})]``, ATorch lists accepted), a
+            :class:`Strategy`, a JSON/YAML file path, or None (plain data parallel).
+        optim_args: keyword arguments of ``optim_func`` (e.g. ``{"lr": 3e-4}``).
+        dataloader_args: ``DataLoader`` arguments; ``batch_size`` is the **global** batch (samples per
+            optimizer step over all data-parallel ranks). ``micro_batch_size`` (per rank) may be given too;
+            gradient-accumulation steps = global / (dp * micro). ``seed``/``shuffle``/``drop_last`` set
+            the elastic sampler.
+        model_input_format: None -> ``model(batch)``; "unpack_sequence" -> ``model(*batch)``;
+            "unpack_dict" -> ``model(**batch)``.
+        prepare_input: ``prepare_input(batch, device) -> batch`` (default: move tensors to the device).
+        lr_scheduler_cls / lr_scheduler_args: scheduler built on the final optimizer.
+        max_grad_norm: clip the global gradient norm (across all shards and ranks) to this value.
+        seed: seeds torch before the model is touched (so meta-device initialisation is reproducible).
+
+    Returns:
+        :class:`AccelerateResult`.
+
+    Raises:
+        StrategyError: invalid strategy or a mesh that does not fit the world size.
+        ValueError: a global batch that does not divide by the data-parallel size, or a bad
+            ``model_input_format``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if model_input_format not in (None, "unpack_sequence", "unpack_dict"):
+        raise ValueError(
+            f"model_input_format={model_input_format!r} is not valid; use None, 'unpack_sequence' or 'unpack_dict'."
+        )
+    device = init_distributed()
+    strategy = Strategy.parse(strategy)
+    ctx = AccelContext(model=model, strategy=strategy, device=device)
+    ctx.on_meta = any(p.is_meta for p in model.parameters())
+    methods = strategy.ordered()
+
+    # 1. configure: methods record settings; data parallel takes the rest of the world by default
+    for m in methods:
+        m.configure(ctx)
+    _default_dims(ctx)
+    ctx.mesh = ParallelMesh(ctx.dims, device.type)
+    if ctx.mesh.dp_size > 1 and ctx.data_parallel is None:
+        strategy = strategy.with_method("ddp")
+        ctx.strategy = strategy
+        methods = strategy.ordered()
+        for m in methods:
+            if type(m).name == "ddp":
+                m.configure(ctx)
+        ctx.note(f"no data-parallel method given for dp={ctx.mesh.dp_size}: added ddp")
+    if ctx.loss_scaler is not None:
+        ctx.loss_scaler.group = None  # world: every rank must agree on skipping
+
+    # 2. apply: each method transforms the model in stage order
+    torch.manual_seed(seed)
+    if not ctx.on_meta and "fsdp" not in strategy:
+        ctx.model.to(device)
+    for m in methods:
+        m.apply(ctx)
+    if ctx.on_meta:
+        from .parallel.materialize import materialize_meta_model
+
+        materialize_meta_model(ctx.model, device)
+        ctx.on_meta = False
+
+    # 3. optimizer after sharding (it must see the sharded parameters), then optimizer-level methods
+    if optim_func is None:
+        raise ValueError("optim_func is required: pass an optimizer class such as torch.optim.AdamW.")
+    params = [p for p in ctx.model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters (all have requires_grad=False).")
+    ctx.optimizer = _build_optimizer(optim_func, params, optim_args or {})
+    for m in methods:
+        m.wrap_optimizer(ctx)
+    for fn in ctx.post_optimizer:
+        fn(ctx)
+    lr_scheduler = lr_scheduler_cls(ctx.optimizer, **(lr_scheduler_args or {})) if lr_scheduler_cls else None
+
+    # 4. data: the global batch is split over dp ranks and accumulation steps
+    dataloader, accum, micro, global_bs = _build_data(dataset, dataloader_args, ctx.mesh, seed)
+
+    step = TrainStep(
+        model=ctx.model, optimizer=ctx.optimizer, loss_func=loss_func, device=device, grad_accum_steps=accum,
+        max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler, loss_scaler=ctx.loss_scaler,
+        model_input_format=model_input_format, prepare_input=prepare_input,
+        dp_group=ctx.mesh.group("dp"), dp_size=ctx.mesh.dp_size,
+    )
+    return AccelerateResult(
+        model=ctx.model, optimizer=ctx.optimizer, dataloader=dataloader, loss_func=loss_func,
+        lr_scheduler=lr_scheduler, strategy=strategy, mesh=ctx.mesh, train_step=step, grad_accum_steps=accum,
+        micro_batch_size=micro, global_batch_size=global_bs, loss_scaler=ctx.loss_scaler, device=device,
+        notes=ctx.notes,
+    )
+
+
+def _default_dims(ctx: AccelContext) -> None:
+    d = ctx.dims
+    explicit = ctx.strategy.config("parallel_mode")
+    given = explicit is not None and any(
+        getattr(explicit, k) is not None for k in ("dp", "dp_replicate", "dp_shard")
+    )
+    if given:
+        # the unnamed data-parallel dim of the two stays 1 unless the other is -1
+        return
+    if "fsdp" in ctx.strategy:
+        d.dp_shard = -1
+    else:
+        d.dp_replicate = -1
+
+
+def _build_optimizer(optim_func, params, optim_args) -> torch.optim.Optimizer:
+    try:
+        return optim_func(params, **optim_args)
+    except TypeError as e:
+        sig = ""
+        try:
+            sig = str(inspect.signature(optim_func))
+        except (TypeError, ValueError):
+            pass
+        raise TypeError(f"could not build the optimizer with optim_args={optim_args}: {e}. Signature: {sig}") from e
+
+
+def _build_data(dataset, dataloader_args, mesh: ParallelMesh, seed: int):
+    args = dict(dataloader_args or {})
+    global_bs = args.pop("batch_size", None)
+    micro = args.pop("micro_batch_size", None)
+    if dataset is None:
+        if global_bs is None:
+            return None, 1, micro, None
+        dp = mesh.dp_size
+        micro = micro or global_bs // dp
+        if global_bs % (dp * micro):
+            raise ValueError(
+                f"global batch {global_bs} is not divisible by dp_size x micro_batch_size = {dp} x {micro}; "
+                f"choose a global batch that is a multiple of {dp * micro}."
+            )
+        return None, global_bs // (dp * micro), micro, global_bs
+    from .data import build_dataloader
+
+    args.setdefault("seed", seed)
+    loader = build_dataloader(
+        dataset, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, global_batch_size=global_bs,
+        micro_batch_size=micro, **args,
+    )
+    return loader, loader.grad_accum_steps, loader.micro_batch_size, loader.global_batch_size
+
+

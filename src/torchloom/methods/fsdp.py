@@ -1,0 +1,116 @@
+"""`fsdp`: fully sharded data parallel with FSDP2 ``fully_shard`` (ZeRO-3; ZeRO-2 via ``zero2``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from ..parallel.blocks import find_blocks, shared_parameter_owners
+from ..parallel.materialize import materialize_meta_model
+from ..strategy.registry import Method, Stage, register_method
+from ..utils import has_accelerator
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 options.
+
+    reshard_after_forward: True = ZeRO-3 (parameters freed after forward, gathered again for backward);
+        False = ZeRO-2 (kept unsharded between forward and backward; alias ``zero2``).
+    wrap_cls: class names sharded as their own unit (default: the model's repeated blocks).
+    cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
+    reduce_dtype: gradient reduction dtype under amp (default float32).
+    """
+
+    reshard_after_forward: bool = True
+    wrap_cls: list[str] | None = None
+    cpu_offload: bool = False
+    reduce_dtype: str = "float32"
+
+
+@register_method
+class FSDP(Method):
+    """Fully sharded data parallel (Zhao et al., "PyTorch FSDP", VLDB 2023; ZeRO, SC 2020) on FSDP2.
+
+    Each repeated block becomes one FSDP unit, then the root. Modules that share a parameter (tied
+    embedding/head) are grouped into one unit so the tie survives sharding. With ``dp_replicate > 1`` the
+    mesh is 2-D and this is hybrid sharding (HSDP): shard within ``dp_shard``, replicate across
+    ``dp_replicate``. Meta-device models are sharded first and materialised shard by shard.
+    """
+
+    name = "fsdp"
+    aliases = {"zero3": {}, "fsdp2": {}, "zero2": {"reshard_after_forward": False}}
+    key_aliases = {"atorch_wrap_cls": "wrap_cls"}
+    Config = FSDPConfig
+    stage = Stage.DATA_PARALLEL
+    data_parallel = True
+
+    def configure(self, ctx) -> None:
+        ctx.data_parallel = self.name
+
+    def apply(self, ctx) -> None:
+        c = self.config
+        model = ctx.model
+        mesh = ctx.mesh["dp_replicate", "dp_shard"] if ctx.mesh.dims.dp_replicate > 1 else ctx.mesh["dp_shard"]
+        mp = MixedPrecisionPolicy()
+        if ctx.autocast_dtype is not None:
+            mp = MixedPrecisionPolicy(param_dtype=ctx.autocast_dtype, reduce_dtype=getattr(torch, c.reduce_dtype))
+        # pinned host memory needs an accelerator (pinning fails on CPU-only builds)
+        offload = CPUOffloadPolicy(pin_memory=has_accelerator()) if c.cpu_offload else OffloadPolicy()
+        kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+
+        blocks = find_blocks(model, c.wrap_cls)
+        ctx.block_classes = sorted({type(m).__name__ for _, m in blocks})
+        shared = shared_parameter_owners(model)
+        units = _plan_units([q for q, _ in blocks], shared)
+        modules = dict(model.named_modules())
+        for unit in units:
+            mods = [modules[q] for q in unit]
+            fully_shard(mods if len(mods) > 1 else mods[0], reshard_after_forward=c.reshard_after_forward, **kw)
+        # the root keeps everything else (embeddings, final norm, head; tied weights stay in one unit)
+        fully_shard(model, reshard_after_forward=c.reshard_after_forward, **kw)
+        if ctx.on_meta:
+            materialize_meta_model(model, ctx.device if not c.cpu_offload else torch.device("cpu"))
+            ctx.on_meta = False
+        mode = "ZeRO-3" if c.reshard_after_forward else "ZeRO-2"
+        hsdp = f"HSDP {ctx.mesh.dims.dp_replicate}x{ctx.mesh.dims.dp_shard}" if ctx.mesh.dims.dp_replicate > 1 \
+            else f"dp_shard={ctx.mesh.dims.dp_shard}"
+        ctx.note(f"fsdp: {mode}, {hsdp}, {len(units)} block units of {ctx.block_classes}"
+                 + (", CPU offload" if c.cpu_offload else "") + (f", tied groups {shared}" if shared else ""))
+
+
+def _plan_units(block_names: list[str], shared: list[list[str]]) -> list[list[str]]:
+    """Blocks become units; a block that shares a parameter with modules outside it is merged with them.
+
+    A shared parameter must live in exactly one FSDP unit (recent torch refuses the split; pytorch PR
+    176257). Owners inside the same block need nothing; owners in different blocks are grouped into one
+    multi-module unit; owners outside every block stay with the root.
+    """
+    def block_of(owner: str) -> str | None:
+        for b in block_names:
+            if owner == b or owner.startswith(b + "."):
+                return b
+        return None
+
+    merged: dict[str, set[str]] = {b: {b} for b in block_names}
+    to_root: set[str] = set()
+    for owners in shared:
+        bs = {block_of(o) for o in owners}
+        if len(bs) == 1:
+            continue  # all owners in one block (or all in the root)
+        if None in bs:  # shared with a module outside any block: the block joins the root
+            to_root |= {b for b in bs if b is not None}
+            continue
+        group = set().union(*(merged[b] for b in bs))
+        for b in group:
+            merged[b] = group
+    units, seen = [], set()
+    for b in block_names:
+        if b in to_root or any(m in to_root for m in merged[b]):
+            continue
+        key = frozenset(merged[b])
+        if key not in seen:
+            seen.add(key)
+            units.append(sorted(key, key=block_names.index))
+    return units

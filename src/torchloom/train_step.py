@@ -1,0 +1,171 @@
+"""`TrainStep`: forward, backward, gradient accumulation (with no-sync), loss scaling, global-norm
+clipping and the optimizer step, for any strategy."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+from .parallel.grad_norm import clip_grad_norm_
+from .parallel.loss_scaler import DynamicLossScaler
+
+
+@dataclass
+class SumLoss:
+    """Return this from ``loss_func`` to normalise by the *global* number of items (e.g. valid tokens).
+
+    ``total`` is the summed (not averaged) loss of the micro-batch (0-dim tensor) and ``count`` the number
+    of items it sums over. ``train_step`` backpropagates the sums and, at the optimizer step, divides the
+    gradients by the count summed over all accumulation steps and data-parallel ranks, so the update is
+    identical however the global batch is split (huggingface/transformers PR 34191).
+    """
+
+    total: torch.Tensor
+    count: int | torch.Tensor
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(move_to_device(v, device) for v in batch)
+    return batch
+
+
+def call_model(model: nn.Module, batch: Any, model_input_format: str | None) -> Any:
+    """``None`` -> ``model(batch)``; ``"unpack_sequence"`` -> ``model(*batch)``; ``"unpack_dict"`` ->
+    ``model(**batch)``."""
+    if model_input_format is None:
+        return model(batch)
+    if model_input_format == "unpack_sequence":
+        return model(*batch)
+    if model_input_format == "unpack_dict":
+        return model(**batch)
+    raise ValueError(
+        f"model_input_format={model_input_format!r} is not valid; use None, 'unpack_sequence' or 'unpack_dict'."
+    )
+
+
+class TrainStep:
+    """Callable ``train_step(batch) -> loss`` for one per-rank micro-batch.
+
+    Steps the optimizer (and scheduler) every ``grad_accum_steps`` calls; between them gradients
+    accumulate locally (DDP ``no_sync`` / FSDP2 ``set_requires_gradient_sync(False)``). Returns the
+    micro-batch loss (detached fp32 scalar, unscaled; for :class:`SumLoss` the mean per item).
+
+    Attributes after an optimizer step: ``last_grad_norm`` (fp32, global, before clipping, or None),
+    ``last_step_skipped`` (fp16 overflow), ``optimizer_steps``.
+    """
+
+    def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, loss_func: Callable,
+                 device: torch.device, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
+                 lr_scheduler: Any = None, loss_scaler: DynamicLossScaler | None = None,
+                 model_input_format: str | None = None, prepare_input: Callable | None = None,
+                 dp_group: dist.ProcessGroup | None = None, dp_size: int = 1):
+        if grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_func = loss_func
+        self.device = device
+        self.grad_accum_steps = grad_accum_steps
+        self.max_grad_norm = max_grad_norm
+        self.lr_scheduler = lr_scheduler
+        self.loss_scaler = loss_scaler
+        self.model_input_format = model_input_format
+        self.prepare_input = prepare_input or move_to_device
+        self.dp_group = dp_group
+        self.dp_size = dp_size
+        self.micro_step = 0
+        self.optimizer_steps = 0
+        self.last_grad_norm: torch.Tensor | None = None
+        self.last_step_skipped = False
+        self._count = 0.0  # items summed over the current accumulation window (SumLoss)
+        self._sum_mode: bool | None = None
+
+    # ------------------------------------------------------------------------------------------------
+    def __call__(self, batch: Any) -> torch.Tensor:
+        sync = (self.micro_step + 1) % self.grad_accum_steps == 0
+        batch = self.prepare_input(batch, self.device)
+        with self._maybe_no_sync(sync):
+            output = call_model(self.model, batch, self.model_input_format)
+            loss, report = self._loss(batch, output)
+            if self.loss_scaler is not None:
+                loss = self.loss_scaler.scale_loss(loss)
+            loss.backward()
+        self.micro_step += 1
+        if sync:
+            self.step()
+        return report
+
+    def _loss(self, batch, output) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.loss_func(batch, output)
+        if isinstance(out, SumLoss):
+            if self._sum_mode is False:
+                raise TypeError("loss_func must return SumLoss every time or never.")
+            self._sum_mode = True
+            count = float(out.count)
+            self._count += count
+            return out.total, (out.total.detach().float() / max(count, 1.0))
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        if not isinstance(out, torch.Tensor) or out.dim() != 0:
+            raise TypeError(
+                f"loss_func must return a scalar tensor, a tuple whose first item is one, or SumLoss; got {type(out).__name__}"
+                + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else "")
+            )
+        self._sum_mode = False
+        # mean over micro-batches: gradients of one global batch equal the full-batch mean
+        return out / self.grad_accum_steps, out.detach().float()
+
+    def _maybe_no_sync(self, sync: bool):
+        if self.grad_accum_steps == 1:
+            return contextlib.nullcontext()
+        m = self.model
+        if isinstance(m, DistributedDataParallel):
+            return contextlib.nullcontext() if sync else m.no_sync()
+        if isinstance(m, FSDPModule):
+            m.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------------------------------------
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def step(self) -> None:
+        """Unscale, normalise (SumLoss), clip, step the optimizer and scheduler, zero the gradients."""
+        params = self._params()
+        if self._sum_mode:
+            self._normalise_by_global_count(params)
+        found_inf = self.loss_scaler.unscale_(params) if self.loss_scaler is not None else False
+        self.last_step_skipped = found_inf
+        if not found_inf:
+            if self.max_grad_norm is not None:
+                self.last_grad_norm = clip_grad_norm_(params, self.max_grad_norm)
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.optimizer_steps += 1
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _normalise_by_global_count(self, params) -> None:
+        count = torch.tensor([self._count], dtype=torch.float64)
+        if self.dp_size > 1:
+            dist.all_reduce(count, group=self.dp_group)
+        self._count = 0.0
+        # DDP/FSDP averaged the summed gradients over dp ranks: undo that, then divide by the global count
+        factor = self.dp_size / max(count.item(), 1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
