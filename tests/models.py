@@ -51,5 +51,6 @@ def full_params(model) -> dict[str, torch.Tensor]:
     """Unsharded fp32 CPU copy of every parameter, keyed like the plain model (collective for FSDP)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # cpu_offload=True would leave the full dict on rank 0 only; every rank needs it here
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     return {k: v.detach().float().cpu().clone() for k, v in sd.items()}

@@ -12,6 +12,7 @@ from torch import nn
 from .context import AccelContext
 from .errors import StrategyError
 from .parallel.distributed import init_distributed
+from .parallel.materialize import materialize_meta_model
 from .parallel.mesh import ParallelMesh
 from .strategy.strategy import Strategy, StrategyLike
 from .train_step import TrainStep, call_model
@@ -141,15 +142,13 @@ def auto_accelerate(
 
     # 2. apply: each method transforms the model in stage order
     torch.manual_seed(seed)
-    if not ctx.on_meta and "fsdp" not in strategy:
+    if "fsdp" not in strategy:
+        if ctx.on_meta:  # only FSDP materialises shard by shard; everything else needs the full model now
+            materialize_meta_model(ctx.model, device)
+            ctx.on_meta = False
         ctx.model.to(device)
     for m in methods:
         m.apply(ctx)
-    if ctx.on_meta:
-        from .parallel.materialize import materialize_meta_model
-
-        materialize_meta_model(ctx.model, device)
-        ctx.on_meta = False
 
     # 3. optimizer after sharding (it must see the sharded parameters), then optimizer-level methods
     if optim_func is None:

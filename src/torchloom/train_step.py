@@ -132,7 +132,11 @@ class TrainStep:
             return contextlib.nullcontext()
         m = self.model
         if isinstance(m, DistributedDataParallel):
-            return contextlib.nullcontext() if sync else m.no_sync()
+            # static_graph + no_sync crashes on the first backward and then silently stops all-reducing
+            # (pytorch/pytorch PR 187732, open): all-reduce every micro-batch instead (same result).
+            if sync or getattr(m, "static_graph", False):
+                return contextlib.nullcontext()
+            return m.no_sync()
         if isinstance(m, FSDPModule):
             m.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()

@@ -8,16 +8,26 @@ import torchloom
 from tests.models import full_params, lm_loss, tiny_llama, token_batches
 
 
-def reference_llama(steps: int, global_batch: int, lr: float = 1e-2, tie: bool = False, max_grad_norm=None,
-                    seq: int = 16):
+OPTIMS = {
+    # SGD with momentum keeps float differences at rounding level, so parameters compare tightly;
+    # AdamW divides by sqrt(v) and amplifies 1e-7 gradient noise where gradients are near eps.
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2}),
+}
+
+
+def reference_llama(steps: int, global_batch: int, optim: str = "sgd", tie: bool = False, max_grad_norm=None,
+                    seq: int = 16, autocast_dtype=None):
     """Plain single-process training: one batch of ``global_batch`` per step."""
     model = tiny_llama(tie=tie)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    cls, kw = OPTIMS[optim]
+    opt = cls(model.parameters(), **kw)
     data = token_batches(steps * global_batch, seq=seq)
     losses = []
     for s in range(steps):
         x = data[s * global_batch:(s + 1) * global_batch]
-        loss = model(input_ids=x, labels=x).loss
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            loss = model(input_ids=x, labels=x).loss
         loss.backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -27,7 +37,18 @@ def reference_llama(steps: int, global_batch: int, lr: float = 1e-2, tie: bool =
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train_llama(strategy, steps: int, global_batch: int, micro_batch: int, lr: float = 1e-2, tie: bool = False,
+def train_many(configs: list[dict]) -> list[dict]:
+    """Run several ``train_llama`` configurations in one launch (a launch costs seconds here)."""
+    out = []
+    for cfg in configs:
+        try:
+            out.append(train_llama(**cfg))
+        except Exception as e:
+            raise RuntimeError(f"config {cfg} failed: {e}") from e
+    return out
+
+
+def train_llama(strategy, steps: int, global_batch: int, micro_batch: int, optim: str = "sgd", tie: bool = False,
                 max_grad_norm=None, seq: int = 16, meta: bool = False):
     """Per-step mean loss (averaged over the global batch) and full params on every rank."""
     if meta:
@@ -35,8 +56,9 @@ def train_llama(strategy, steps: int, global_batch: int, micro_batch: int, lr: f
             model = tiny_llama(tie=tie)
     else:
         model = tiny_llama(tie=tie)
+    cls, kw = OPTIMS[optim]
     res = torchloom.auto_accelerate(
-        model, torch.optim.AdamW, None, lambda b, o: o.loss, strategy=strategy, optim_args={"lr": lr},
+        model, cls, None, lm_loss, strategy=strategy, optim_args=kw,
         dataloader_args={"batch_size": global_batch, "micro_batch_size": micro_batch},
         model_input_format="unpack_dict", max_grad_norm=max_grad_norm,
     )

@@ -56,8 +56,18 @@ class DDP(Method):
             static_graph=c.static_graph,
             find_unused_parameters=c.find_unused_parameters,
             gradient_as_bucket_view=c.gradient_as_bucket_view,
-            broadcast_buffers=c.broadcast_buffers,
+            **_buffer_sync_kwargs(c.broadcast_buffers),
         )
         note = register_comm_hook(model, c.comm_hook, group, c.powersgd_rank, c.powersgd_start_iter)
         ctx.model = model
         ctx.note(f"ddp: DistributedDataParallel over dp={ctx.mesh.dp_size}" + (f"; {note}" if note else ""))
+
+
+def _buffer_sync_kwargs(sync: bool) -> dict:
+    """``broadcast_buffers`` is deprecated in newer torch in favour of ``forward_sync_buffers``."""
+    import inspect
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in params and sync:
+        return {"forward_sync_buffers": True}
+    return {"broadcast_buffers": sync}

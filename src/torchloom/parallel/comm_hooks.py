@@ -5,7 +5,7 @@ travel as raw bytes through ``all_gather`` (gloo moves any dtype that way) and a
 arrival: the same numbers a bf16 all-reduce gives, at (world-1)/2x its traffic, fine at the 2-8 ranks a
 CPU job uses. On NCCL the stock hooks are used.
 """
-from __future__ import annotations
+# no `from __future__ import annotations`: DDP checks the hook's GradBucket annotation at runtime
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ def _gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def bf16_compress_hook_gloo(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def bf16_compress_hook_gloo(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket's gradients in bf16 precision using all_gather of bf16 bytes (gloo-safe)."""
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
@@ -38,7 +38,7 @@ def bf16_compress_hook_gloo(process_group, bucket: dist.GradBucket) -> torch.fut
     return fut.then(decompress)
 
 
-def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, name: str | None, group,
+def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, name: "str | None", group,
                        powersgd_rank: int = 1, powersgd_start_iter: int = 2) -> str | None:
     """Register hook ``name`` ("fp16" | "bf16" | "powersgd" | None) on a DDP model; return a note."""
     if name is None:

@@ -141,22 +141,22 @@ class Strategy:
         path = Path(path)
         if not path.exists():
             raise StrategyError(f"strategy file '{path}' does not exist.")
+        if path.suffix not in (".yaml", ".yml", ".json"):
+            raise StrategyError(
+                f"strategy file '{path}' must end in .json, .yaml or .yml (pickle files are never loaded)."
+            )
         text = path.read_text()
         try:
             if path.suffix in (".yaml", ".yml"):
                 import yaml
 
                 data = yaml.safe_load(text)
-            elif path.suffix == ".json":
-                data = json.loads(text)
             else:
-                raise StrategyError(
-                    f"strategy file '{path}' must end in .json, .yaml or .yml (pickle files are never loaded)."
-                )
-        except (ValueError, ImportError) as e:  # yaml.YAMLError subclasses ValueError? not always
+                data = json.loads(text)
+        except ValueError as e:  # json.JSONDecodeError
             raise StrategyError(f"cannot parse strategy file '{path}': {e}") from e
-        except Exception as e:  # yaml.YAMLError
-            if type(e).__module__.startswith("yaml"):
+        except Exception as e:
+            if type(e).__module__.startswith("yaml"):  # yaml.YAMLError
                 raise StrategyError(f"cannot parse strategy file '{path}': {e}") from e
             raise
         return cls.from_dict(data)

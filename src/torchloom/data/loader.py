@@ -1,0 +1,296 @@
+"""A DataLoader whose position (epoch + samples consumed) is checkpointable and exact.
+
+``StatefulDataLoader`` wraps ``torch.utils.data.DataLoader`` (any ``num_workers``) and counts only
+the batches it has *handed to the caller*, never the ones prefetched by workers, so
+``state_dict()`` taken inside the training loop is the exact position to resume from.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from torchloom.data.sampler import DataError, ElasticDistributedSampler, _Cursor, _positive_int
+
+__all__ = ["StatefulDataLoader", "build_dataloader"]
+
+_OWNED = ("sampler", "batch_sampler", "batch_size", "shuffle")
+
+
+class StatefulDataLoader:
+    """One epoch per ``iter()``, resumable mid-epoch from ``state_dict()``.
+
+    Two modes:
+
+    * **Sampler mode** (``sampler`` is an ``ElasticDistributedSampler``; map-style datasets).
+      Each yielded batch is this rank's micro-batch, shape ``(micro_batch_size, ...)`` after
+      ``collate_fn``; all ranks step in lockstep, so each batch advances the *global* count by
+      ``dp_size * micro_batch_size``. State: the sampler's keys (``epoch``, ``consumed`` = global
+      samples of the epoch in batches already yielded, ``seed``, ``num_samples``,
+      ``global_batch_size``) plus ``"kind": "map"``. Restorable with another ``dp_size``/micro
+      batch as long as ``consumed`` is a multiple of the new ``dp_size * micro_batch_size``.
+    * **Batch-count mode** (``sampler=None``, e.g. an ``IterableDataset``). State:
+      ``{"kind": "iterable", "epoch", "batches_yielded", "dp_size", "micro_batch_size"}``. On
+      resume the first ``batches_yielded`` batches of the epoch are re-read and discarded, which is
+      exact only if the dataset yields the same sequence every time (deterministic iterable, its own
+      per-rank sharding, and per-worker sharding when ``num_workers > 0``). If the dataset defines
+      ``set_epoch(epoch)`` it is called before each pass. Resume needs the same dp_size/micro batch.
+
+    Epochs: ``iter()`` runs the rest of the current epoch; once a pass ends the position moves to
+    the start of the next epoch, so ``for epoch ...: for batch in loader`` needs no ``set_epoch``.
+    ``set_epoch(e)`` is also accepted (starts epoch ``e``; right after ``load_state_dict`` the
+    restored epoch keeps its restored position). Call it on the loader, not on its sampler.
+    Only one live iterator per loader is supported.
+
+    Args:
+        dataset: map-style (with ``sampler``) or any dataset (without).
+        sampler: the rank's ``ElasticDistributedSampler``; enables sampler mode.
+        batch_size: batch-count mode only (sampler mode uses ``sampler.micro_batch_size``).
+        global_batch_size, dp_size: batch-count mode bookkeeping for ``grad_accum_steps``.
+        **dataloader_kwargs: forwarded to ``DataLoader`` (``num_workers``, ``collate_fn``,
+            ``pin_memory``, ``persistent_workers``, ...).
+
+    Raises:
+        DataError: ``sampler``/``batch_sampler``/``shuffle`` in ``dataloader_kwargs`` (the order is
+            owned by the sampler), ``batch_size`` that disagrees with the sampler, a dataset length
+            that differs from ``sampler.num_samples``, or an unrestorable ``load_state_dict``.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        sampler: ElasticDistributedSampler | None = None,
+        batch_size: int | None = None,
+        global_batch_size: int | None = None,
+        dp_size: int = 1,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        _reject_owned(dataloader_kwargs, allow_false_shuffle=sampler is None)
+        self.dataset, self.sampler = dataset, sampler
+        self._cursor = _Cursor()
+        if sampler is not None:
+            if not isinstance(sampler, ElasticDistributedSampler):
+                raise DataError(
+                    f"sampler must be an ElasticDistributedSampler, got {type(sampler).__name__}; "
+                    "other samplers cannot be resumed exactly (use sampler=None for batch counting)."
+                )
+            if batch_size is not None and batch_size != sampler.micro_batch_size:
+                raise DataError(
+                    f"batch_size={batch_size} differs from sampler.micro_batch_size="
+                    f"{sampler.micro_batch_size}; omit batch_size."
+                )
+            if "drop_last" in dataloader_kwargs:
+                raise DataError("drop_last is a sampler argument here; pass it to the sampler.")
+            n = _maybe_len(dataset)
+            if n is not None and n != sampler.num_samples:
+                raise DataError(
+                    f"len(dataset)={n} but sampler.num_samples={sampler.num_samples}; build the "
+                    "sampler with num_samples=len(dataset)."
+                )
+            self.dp_size, self.micro_batch_size = sampler.dp_size, sampler.micro_batch_size
+            self.global_batch_size = sampler.global_batch_size
+            self.loader = DataLoader(
+                dataset, batch_size=sampler.micro_batch_size, sampler=sampler, **dataloader_kwargs
+            )
+        else:
+            if batch_size is None:
+                raise DataError("batch_size is required when no sampler is given.")
+            self.micro_batch_size = _positive_int("batch_size", batch_size)
+            self.dp_size = _positive_int("dp_size", dp_size)
+            step = self.dp_size * self.micro_batch_size
+            self.global_batch_size = step if global_batch_size is None else global_batch_size
+            if _positive_int("global_batch_size", self.global_batch_size) % step:
+                raise DataError(
+                    f"global_batch_size={self.global_batch_size} is not divisible by "
+                    f"dp_size*batch_size={self.dp_size}*{self.micro_batch_size}={step}; use a "
+                    f"global_batch_size that is a multiple of {step}."
+                )
+            self.loader = DataLoader(dataset, batch_size=self.micro_batch_size, **dataloader_kwargs)
+        self.grad_accum_steps = self.global_batch_size // (self.dp_size * self.micro_batch_size)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being iterated, or at rest the one the next pass runs (after roll-over)."""
+        c = self._cursor
+        return c.upcoming_epoch(self.sampler is not None and c.consumed >= self.sampler.epoch_length)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning (keeps a just-restored position of that epoch)."""
+        length = self.sampler.epoch_length if self.sampler is not None else float("inf")
+        self._cursor.set_epoch(epoch, length)
+
+    def __len__(self) -> int:
+        """Batches the next pass yields (the remaining part of the current epoch)."""
+        c = self._cursor
+        if self.sampler is None:
+            return max(len(self.loader) - c.consumed, 0)
+        length = self.sampler.epoch_length
+        left = length if c.consumed >= length and not c.pinned else length - c.consumed
+        return max(left, 0) // self.sampler.step_size
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._iter_sampler() if self.sampler is not None else self._iter_counted()
+
+    def _iter_sampler(self) -> Iterator[Any]:
+        c, s = self._cursor, self.sampler
+        c.begin(exhausted=c.consumed >= s.epoch_length)
+        s._set_position(c.epoch, c.consumed)
+        it = iter(self.loader)
+        try:
+            for batch in it:
+                c.consumed += s.step_size  # count before handing out: a checkpoint now includes it
+                yield batch
+        finally:
+            del it  # drop prefetched batches / shut non-persistent workers down
+        c.epoch, c.consumed = c.epoch + 1, 0
+
+    def _iter_counted(self) -> Iterator[Any]:
+        c = self._cursor
+        c.begin(exhausted=False)
+        if callable(getattr(self.dataset, "set_epoch", None)):
+            self.dataset.set_epoch(c.epoch)
+        it = iter(self.loader)
+        try:
+            for skipped in range(c.consumed):
+                try:
+                    next(it)
+                except StopIteration:
+                    raise DataError(
+                        f"resuming epoch {c.epoch} needs to skip {c.consumed} batches but the dataset "
+                        f"ended after {skipped}: the iterable is not deterministic or has changed, so "
+                        "the position cannot be restored. Fix its order/sharding or restart the epoch."
+                    ) from None
+            for batch in it:
+                c.consumed += 1
+                yield batch
+        finally:
+            del it
+        c.epoch, c.consumed = c.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-serializable ints/str) describing the position after the last yield."""
+        c = self._cursor
+        if self.sampler is None:
+            return {
+                "kind": "iterable",
+                "epoch": c.epoch,
+                "batches_yielded": c.consumed,
+                "dp_size": self.dp_size,
+                "micro_batch_size": self.micro_batch_size,
+            }
+        state = self.sampler.state_dict()
+        state.update(kind="map", epoch=c.epoch, consumed=c.consumed)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a position from ``state_dict()``; the next ``iter()`` continues from it.
+
+        Raises:
+            DataError: the state is of the other mode, from a different dataset, or not aligned
+                with this loader's layout (see ``ElasticDistributedSampler.check_state_dict``).
+        """
+        kind = state.get("kind", "map" if "consumed" in state else "iterable")
+        mine = "iterable" if self.sampler is None else "map"
+        if kind != mine:
+            raise DataError(
+                f"cannot load a {kind!r} data state into a {mine!r} loader: the checkpoint was "
+                f"saved with a {'sampler' if kind == 'map' else 'batch-counting'} loader; build "
+                "this loader the same way (map-style dataset vs iterable) to resume."
+            )
+        if self.sampler is not None:
+            self._cursor.restore(*self.sampler.check_state_dict(state))
+            return
+        for key in ("dp_size", "micro_batch_size"):
+            if int(state[key]) != getattr(self, key):
+                raise DataError(
+                    f"the data state was saved with {key}={state[key]} but this loader has "
+                    f"{key}={getattr(self, key)}; batch-count resume of an iterable dataset needs "
+                    "the same layout. Use a map-style dataset (ElasticDistributedSampler) to "
+                    "resume on a different layout."
+                )
+        epoch, batches = int(state["epoch"]), int(state["batches_yielded"])
+        if epoch < 0 or batches < 0:
+            raise DataError(f"invalid data state: epoch={epoch}, batches_yielded={batches}.")
+        self._cursor.restore(epoch, batches)
+
+
+def build_dataloader(
+    dataset: Dataset,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    global_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    seed: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = True,
+    **dataloader_kwargs: Any,
+) -> StatefulDataLoader:
+    """This rank's resumable loader.
+
+    ``micro_batch_size`` defaults to ``global_batch_size // dp_size`` (no accumulation);
+    ``global_batch_size`` defaults to ``dp_size * micro_batch_size``. The result exposes
+    ``micro_batch_size``, ``global_batch_size`` and ``grad_accum_steps =
+    global_batch_size // (dp_size * micro_batch_size)``.
+
+    Map-style datasets get an ``ElasticDistributedSampler`` (``seed``, ``shuffle``, ``drop_last``).
+    An ``IterableDataset`` is batched as is: it must yield only this rank's shard itself
+    (``shuffle``/``seed`` are ignored; ``drop_last`` drops a short final batch).
+
+    Raises:
+        DataError: neither batch size given; ``global_batch_size`` not divisible by ``dp_size`` or
+            by ``dp_size * micro_batch_size``; ``sampler``/``batch_sampler``/``batch_size`` in
+            ``dataloader_kwargs``.
+    """
+    _reject_owned(dataloader_kwargs, allow_false_shuffle=False)
+    dp_size = _positive_int("dp_size", dp_size)
+    if global_batch_size is None and micro_batch_size is None:
+        raise DataError("give global_batch_size (samples per optimizer step) or micro_batch_size.")
+    if micro_batch_size is None:
+        gbs = _positive_int("global_batch_size", global_batch_size)
+        if gbs % dp_size:
+            lo, hi = gbs // dp_size * dp_size, (gbs // dp_size + 1) * dp_size
+            near = f"{lo} or {hi}" if lo else f"{hi}"
+            raise DataError(
+                f"global_batch_size={gbs} is not divisible by dp_size={dp_size}; use a global batch "
+                f"that is a multiple of {dp_size} (e.g. {near}), or pass micro_batch_size with "
+                "global_batch_size a multiple of dp_size*micro_batch_size."
+            )
+        micro_batch_size = gbs // dp_size
+    mb = _positive_int("micro_batch_size", micro_batch_size)
+    gbs = dp_size * mb if global_batch_size is None else global_batch_size
+    if isinstance(dataset, IterableDataset):
+        return StatefulDataLoader(
+            dataset, batch_size=mb, global_batch_size=gbs, dp_size=dp_size, drop_last=drop_last,
+            **dataloader_kwargs,
+        )
+    n = _maybe_len(dataset)
+    if n is None:
+        raise DataError(f"{type(dataset).__name__} has no __len__; a map-style dataset needs one.")
+    sampler = ElasticDistributedSampler(
+        n, dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=mb, global_batch_size=gbs,
+        seed=seed, shuffle=shuffle, drop_last=drop_last,
+    )
+    return StatefulDataLoader(dataset, sampler=sampler, **dataloader_kwargs)
+
+
+def _reject_owned(kwargs: Mapping[str, Any], *, allow_false_shuffle: bool) -> None:
+    for key in _OWNED:
+        if key not in kwargs or (key == "shuffle" and allow_false_shuffle and not kwargs[key]):
+            continue
+        fix = {
+            "sampler": "the order comes from ElasticDistributedSampler (seed/shuffle arguments)",
+            "batch_sampler": "batches are formed from micro_batch_size by torchloom",
+            "batch_size": "pass micro_batch_size/global_batch_size instead",
+            "shuffle": "pass shuffle to build_dataloader/the sampler; an unseeded DataLoader "
+            "shuffle cannot be resumed",
+        }[key]
+        raise DataError(f"{key}= is not accepted as a DataLoader argument here: {fix}.")
+
+
+def _maybe_len(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
