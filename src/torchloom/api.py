@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .context import AccelContext
+from .data import build_dataloader, plan_batches
 from .errors import StrategyError
 from .parallel.distributed import init_distributed
 from .parallel.materialize import materialize_meta_model
@@ -35,6 +36,7 @@ class AccelerateResult:
         train_step: ``train_step(batch) -> loss``; see :class:`torchloom.train_step.TrainStep`.
         grad_accum_steps / micro_batch_size / global_batch_size: the derived batch arithmetic.
         loss_scaler: the fp16 dynamic loss scaler (amp fp16), else None.
+        device: this rank's device (``cuda:LOCAL_RANK`` or CPU).
         notes: what each method did, in order.
     """
 
@@ -53,7 +55,7 @@ class AccelerateResult:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     notes: list[str] = field(default_factory=list)
 
-    def forward_loss(self, batch: Any, model_input_format: str | None = None) -> torch.Tensor:
+    def forward_loss(self, batch: Any) -> torch.Tensor:
         """Loss of one batch without backward (for evaluation); runs the model as ``train_step`` does."""
         ts = self.train_step
         batch = ts.prepare_input(batch, ts.device)
@@ -102,15 +104,21 @@ def auto_accelerate(
         prepare_input: ``prepare_input(batch, device) -> batch`` (default: move tensors to the device).
         lr_scheduler_cls / lr_scheduler_args: scheduler built on the final optimizer.
         max_grad_norm: clip the global gradient norm (across all shards and ranks) to this value.
-        seed: seeds torch before the model is touched (so meta-device initialisation is reproducible).
+        seed: ``torch.manual_seed(seed)`` runs on every rank before the methods are applied (so meta-device
+            initialisation is the same on every rank); also the default shuffling seed of the sampler.
 
     Returns:
         :class:`AccelerateResult`.
 
     Raises:
-        StrategyError: invalid strategy or a mesh that does not fit the world size.
-        ValueError: a global batch that does not divide by the data-parallel size, or a bad
-            ``model_input_format``.
+        StrategyError: invalid strategy, a mesh that does not fit the world size, or a mesh degree no
+            method uses.
+        DataError: batch sizes that do not divide (global batch vs dp size x micro batch), bad
+            ``dataloader_args``.
+        ValueError: a bad ``model_input_format``, no ``optim_func``, or no trainable parameters.
+        TypeError: ``model`` is not an ``nn.Module``; ``optim_func`` rejects ``optim_args``.
+        NotImplementedError: ``zero1`` with several parameter groups.
+        RuntimeError: a meta-device model that cannot be fully initialised.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -129,14 +137,14 @@ def auto_accelerate(
         m.configure(ctx)
     _default_dims(ctx)
     ctx.mesh = ParallelMesh(ctx.dims, device.type)
-    if ctx.mesh.dp_size > 1 and ctx.data_parallel is None:
+    if ctx.mesh.dp_size > 1 and not any(type(m).data_parallel for m in methods):
         strategy = strategy.with_method("ddp")
         ctx.strategy = strategy
-        methods = strategy.ordered()
-        for m in methods:
-            if type(m).name == "ddp":
-                m.configure(ctx)
+        ddp = next(m for m in strategy.ordered() if type(m).name == "ddp")
+        ddp.configure(ctx)
+        methods = sorted([*methods, ddp], key=lambda m: type(m).stage)
         ctx.note(f"no data-parallel method given for dp={ctx.mesh.dp_size}: added ddp")
+    _check_dims_used(ctx, methods)
     if ctx.loss_scaler is not None:
         ctx.loss_scaler.group = None  # world: every rank must agree on skipping
 
@@ -180,6 +188,17 @@ def auto_accelerate(
     )
 
 
+def _check_dims_used(ctx: AccelContext, methods) -> None:
+    """A degree > 1 on a dimension no method parallelises would silently duplicate work."""
+    for dim in ("tp", "pp", "ep"):
+        degree = getattr(ctx.mesh.dims, dim)
+        if degree > 1 and not any(dim in type(m).mesh_dims for m in methods):
+            raise StrategyError(
+                f"parallel_mode sets {dim}={degree} but no method in the strategy parallelises the '{dim}' dimension "
+                f"(the ranks would all compute the same thing); add the method for it or set {dim}=1."
+            )
+
+
 def _default_dims(ctx: AccelContext) -> None:
     d = ctx.dims
     explicit = ctx.strategy.config("parallel_mode")
@@ -212,23 +231,13 @@ def _build_data(dataset, dataloader_args, mesh: ParallelMesh, seed: int):
     global_bs = args.pop("batch_size", None)
     micro = args.pop("micro_batch_size", None)
     if dataset is None:
-        if global_bs is None:
-            return None, 1, micro, None
-        dp = mesh.dp_size
-        micro = micro or global_bs // dp
-        if global_bs % (dp * micro):
-            raise ValueError(
-                f"global batch {global_bs} is not divisible by dp_size x micro_batch_size = {dp} x {micro}; "
-                f"choose a global batch that is a multiple of {dp * micro}."
-            )
-        return None, global_bs // (dp * micro), micro, global_bs
-    from .data import build_dataloader
-
+        if global_bs is None and micro is None:
+            return None, 1, None, None
+        plan = plan_batches(global_bs, micro, mesh.dp_size)
+        return None, plan.grad_accum_steps, plan.micro_batch_size, plan.global_batch_size
     args.setdefault("seed", seed)
     loader = build_dataloader(
         dataset, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, global_batch_size=global_bs,
         micro_batch_size=micro, **args,
     )
     return loader, loader.grad_accum_steps, loader.micro_batch_size, loader.global_batch_size
-
-

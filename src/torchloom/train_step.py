@@ -3,6 +3,7 @@ clipping and the optimizer step, for any strategy."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,9 +35,15 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to ``device``."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})
-    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+    if isinstance(batch, Mapping):  # dict, HF BatchEncoding (a UserDict), ...
+        moved = {k: move_to_device(v, device) for k, v in batch.items()}
+        try:
+            return type(batch)(moved)
+        except TypeError:
+            return moved
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
         return type(batch)(move_to_device(v, device) for v in batch)
     return batch
 
@@ -109,10 +116,12 @@ class TrainStep:
 
     def _loss(self, batch, output) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.loss_func(batch, output)
-        if isinstance(out, SumLoss):
-            if self._sum_mode is False:
-                raise TypeError("loss_func must return SumLoss every time or never.")
-            self._sum_mode = True
+        is_sum = isinstance(out, SumLoss)
+        if self._sum_mode is not None and self._sum_mode != is_sum:
+            raise TypeError("loss_func must return SumLoss every time or never (gradients of sums and of means "
+                            "cannot be accumulated together).")
+        self._sum_mode = is_sum
+        if is_sum:
             count = float(out.count)
             self._count += count
             return out.total, (out.total.detach().float() / max(count, 1.0))
@@ -123,7 +132,6 @@ class TrainStep:
                 f"loss_func must return a scalar tensor, a tuple whose first item is one, or SumLoss; got {type(out).__name__}"
                 + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else "")
             )
-        self._sum_mode = False
         # mean over micro-batches: gradients of one global batch equal the full-batch mean
         return out / self.grad_accum_steps, out.detach().float()
 

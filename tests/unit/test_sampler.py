@@ -189,9 +189,9 @@ def test_build_dataloader_batch_sizes_and_errors():
     assert (dl.micro_batch_size, dl.global_batch_size, dl.grad_accum_steps, len(dl)) == (2, 16, 4, 16)
     dl = build_dataloader(list(range(64)), dp_rank=0, dp_size=4, global_batch_size=16)
     assert (dl.micro_batch_size, dl.grad_accum_steps) == (4, 1)
-    with pytest.raises(DataError, match=r"global_batch_size=10 is not divisible by dp_size=4.*8 or 12"):
+    with pytest.raises(DataError, match=r"global batch size 10 is not divisible by the data-parallel size 4.*8 or 12"):
         build_dataloader(list(range(64)), dp_rank=0, dp_size=4, global_batch_size=10)
-    with pytest.raises(DataError, match=r"not divisible by dp_size\*micro_batch_size=2\*3=6"):
+    with pytest.raises(DataError, match=r"not divisible by data-parallel size x micro batch size = 2 x 3 = 6"):
         build_dataloader(list(range(64)), dp_rank=0, dp_size=2, global_batch_size=16, micro_batch_size=3)
     for bad in ({"sampler": None}, {"batch_sampler": None}, {"batch_size": 4}):
         with pytest.raises(DataError, match="not accepted"):

@@ -10,6 +10,7 @@ from typing import Any, Iterator, Mapping
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from torchloom.data.batching import plan_batches
 from torchloom.data.sampler import DataError, ElasticDistributedSampler, _Cursor, _positive_int
 
 __all__ = ["StatefulDataLoader", "build_dataloader"]
@@ -244,22 +245,8 @@ def build_dataloader(
             ``dataloader_kwargs``.
     """
     _reject_owned(dataloader_kwargs, allow_false_shuffle=False)
-    dp_size = _positive_int("dp_size", dp_size)
-    if global_batch_size is None and micro_batch_size is None:
-        raise DataError("give global_batch_size (samples per optimizer step) or micro_batch_size.")
-    if micro_batch_size is None:
-        gbs = _positive_int("global_batch_size", global_batch_size)
-        if gbs % dp_size:
-            lo, hi = gbs // dp_size * dp_size, (gbs // dp_size + 1) * dp_size
-            near = f"{lo} or {hi}" if lo else f"{hi}"
-            raise DataError(
-                f"global_batch_size={gbs} is not divisible by dp_size={dp_size}; use a global batch "
-                f"that is a multiple of {dp_size} (e.g. {near}), or pass micro_batch_size with "
-                "global_batch_size a multiple of dp_size*micro_batch_size."
-            )
-        micro_batch_size = gbs // dp_size
-    mb = _positive_int("micro_batch_size", micro_batch_size)
-    gbs = dp_size * mb if global_batch_size is None else global_batch_size
+    plan = plan_batches(global_batch_size, micro_batch_size, dp_size)
+    mb, gbs = plan.micro_batch_size, plan.global_batch_size
     if isinstance(dataset, IterableDataset):
         return StatefulDataLoader(
             dataset, batch_size=mb, global_batch_size=gbs, dp_size=dp_size, drop_last=drop_last,

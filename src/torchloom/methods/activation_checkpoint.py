@@ -5,6 +5,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -54,17 +55,55 @@ class ActivationCheckpoint(Method):
             raise StrategyError(f"checkpoint: every_k must be >= 1, got {c.every_k}.")
         blocks = find_blocks(ctx.model, c.wrap_cls)
         chosen = blocks[:: c.every_k]
+        stochastic = [q for q, b in chosen if has_active_dropout(b)]
+        if stochastic and not c.preserve_rng_state:
+            from ..errors import StrategyError
+
+            raise StrategyError(
+                f"checkpoint: preserve_rng_state=False but blocks {stochastic[:3]} contain dropout with p > 0: the "
+                "recomputation in backward would draw new dropout masks, so the gradients would belong to a "
+                "different forward than the loss (allenai/OLMo-core PR 828). Keep preserve_rng_state=True "
+                "(the default) or set the dropout probabilities to 0."
+            )
         for _, block in chosen:
             checkpoint_module(block, preserve_rng_state=c.preserve_rng_state)
         ctx.note(f"checkpoint: {len(chosen)}/{len(blocks)} blocks recompute activations in backward")
 
 
+def has_active_dropout(module: nn.Module) -> bool:
+    """True if ``module`` contains a dropout layer with ``p > 0`` (its forward draws random numbers)."""
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
+
+
+#: keyword arguments through which a block writes a key/value cache (Hugging Face spellings)
+_CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
+
+
 def checkpoint_module(module: nn.Module, preserve_rng_state: bool = True) -> None:
-    """Make ``module``'s forward run under non-reentrant activation checkpointing (in place)."""
+    """Make ``module``'s forward run under non-reentrant activation checkpointing (in place).
+
+    Only a forward with gradients enabled is checkpointed; ``torch.no_grad`` evaluation and generation
+    run the block as is. The block's keyword arguments are bound before ``checkpoint`` sees them, so a
+    block keyword that shares a name with one of ``checkpoint``'s own options (``debug``, ``context_fn``,
+    ``determinism_check``, ``use_reentrant``) reaches the block. A cache the block would write
+    (``use_cache=True``, ``cache``/``past_key_values``/``layer_past``) is dropped when checkpointing, as
+    Hugging Face's own gradient checkpointing does: the recomputation would write it again and read the
+    first write back, so forward and recomputation would differ (T5's cross-attention cache). Blocks that
+    only read a cache declare ``_can_checkpoint_with_cache = True`` and keep it.
+    """
     inner = module.forward
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+        if not torch.is_grad_enabled():  # nothing to recompute
+            return inner(*args, **kwargs)
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        if not getattr(module, "_can_checkpoint_with_cache", False):
+            for k in _CACHE_KWARGS:
+                if kwargs.get(k) is not None:
+                    kwargs[k] = None
+        fn = functools.partial(inner, **kwargs) if kwargs else inner
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
 
     module.forward = forward

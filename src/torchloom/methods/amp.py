@@ -57,7 +57,7 @@ class Amp(Method):
 
     def apply(self, ctx) -> None:
         if "fsdp" in ctx.strategy:
-            ctx.note(f"amp: FSDP MixedPrecisionPolicy(param_dtype={self.dtype}, reduce_dtype=float32)")
+            ctx.note(f"amp: FSDP MixedPrecisionPolicy computes in {self.dtype} (see fsdp's reduce_dtype)")
             return  # fsdp builds its MixedPrecisionPolicy from ctx.autocast_dtype
         enable_autocast(ctx.model, self.dtype, ctx.device.type)
         ctx.note(f"amp: forward runs under torch.autocast({ctx.device.type}, {self.dtype})")

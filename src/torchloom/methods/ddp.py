@@ -6,19 +6,27 @@ from typing import Literal
 
 from torch.nn.parallel import DistributedDataParallel
 
+from ..parallel.buffers import install_buffer_sync, running_stat_buffers
 from ..parallel.comm_hooks import register_comm_hook
 from ..strategy.registry import Method, Stage, register_method
 
 
 @dataclass
 class DDPConfig:
-    """DDP options (see ``torch.nn.parallel.DistributedDataParallel``); sizes in MiB."""
+    """DDP options (see ``torch.nn.parallel.DistributedDataParallel``); sizes in MiB.
+
+    sync_buffers: average the running statistics of BatchNorm-like layers over the data-parallel ranks after
+        every optimizer step (``torchloom.parallel.buffers``), so evaluation is the same on every rank.
+    broadcast_buffers: DDP's copy of rank 0's buffers before each forward. None (default) = off when
+        ``sync_buffers`` averages running statistics (rank 0's copy would discard the other ranks'), else on.
+    """
 
     bucket_cap_mb: float = 25.0
     static_graph: bool = False
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
-    broadcast_buffers: bool = True
+    broadcast_buffers: bool | None = None
+    sync_buffers: bool = True
     comm_hook: Literal["fp16", "bf16", "powersgd"] | None = None
     powersgd_rank: int = 1
     powersgd_start_iter: int = 2
@@ -38,6 +46,7 @@ class DDP(Method):
     Config = DDPConfig
     stage = Stage.DATA_PARALLEL
     data_parallel = True
+    mesh_dims = ("dp_replicate", "dp_shard")
     conflicts = {"fsdp": "both own gradient synchronisation for data parallelism; fsdp already averages "
                          "gradients (and shards them). Use one."}
 
@@ -48,6 +57,8 @@ class DDP(Method):
         c = self.config
         group = ctx.mesh.group("dp")
         dev = ctx.device
+        averaged = c.sync_buffers and bool(running_stat_buffers(ctx.model))
+        broadcast = (not averaged) if c.broadcast_buffers is None else c.broadcast_buffers
         model = DistributedDataParallel(
             ctx.model,
             device_ids=[dev.index] if dev.type != "cpu" and dev.index is not None else None,
@@ -56,11 +67,13 @@ class DDP(Method):
             static_graph=c.static_graph,
             find_unused_parameters=c.find_unused_parameters,
             gradient_as_bucket_view=c.gradient_as_bucket_view,
-            **_buffer_sync_kwargs(c.broadcast_buffers),
+            **_buffer_sync_kwargs(broadcast),
         )
         note = register_comm_hook(model, c.comm_hook, group, c.powersgd_rank, c.powersgd_start_iter)
         ctx.model = model
         ctx.note(f"ddp: DistributedDataParallel over dp={ctx.mesh.dp_size}" + (f"; {note}" if note else ""))
+        if c.sync_buffers:
+            install_buffer_sync(ctx, "ddp")
 
 
 def _buffer_sync_kwargs(sync: bool) -> dict:

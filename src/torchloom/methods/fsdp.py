@@ -7,6 +7,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..parallel.blocks import find_blocks, shared_parameter_owners
+from ..parallel.buffers import install_buffer_sync
 from ..parallel.materialize import materialize_meta_model
 from ..strategy.registry import Method, Stage, register_method
 from ..utils import has_accelerator
@@ -21,12 +22,15 @@ class FSDPConfig:
     wrap_cls: class names sharded as their own unit (default: the model's repeated blocks).
     cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
     reduce_dtype: gradient reduction dtype under amp (default float32).
+    sync_buffers: average the running statistics of BatchNorm-like layers over the data-parallel ranks after
+        every optimizer step (FSDP never synchronises buffers; see ``torchloom.parallel.buffers``).
     """
 
     reshard_after_forward: bool = True
     wrap_cls: list[str] | None = None
     cpu_offload: bool = False
     reduce_dtype: str = "float32"
+    sync_buffers: bool = True
 
 
 @register_method
@@ -45,6 +49,7 @@ class FSDP(Method):
     Config = FSDPConfig
     stage = Stage.DATA_PARALLEL
     data_parallel = True
+    mesh_dims = ("dp_replicate", "dp_shard")
 
     def configure(self, ctx) -> None:
         ctx.data_parallel = self.name
@@ -73,6 +78,8 @@ class FSDP(Method):
         if ctx.on_meta:
             materialize_meta_model(model, ctx.device if not c.cpu_offload else torch.device("cpu"))
             ctx.on_meta = False
+        if c.sync_buffers:
+            install_buffer_sync(ctx, "fsdp")
         mode = "ZeRO-3" if c.reshard_after_forward else "ZeRO-2"
         hsdp = f"HSDP {ctx.mesh.dims.dp_replicate}x{ctx.mesh.dims.dp_shard}" if ctx.mesh.dims.dp_replicate > 1 \
             else f"dp_shard={ctx.mesh.dims.dp_shard}"

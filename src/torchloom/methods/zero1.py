@@ -11,7 +11,7 @@ from ..strategy.registry import Method, Stage, register_method
 
 @dataclass
 class Zero1Config:
-    overlap_with_ddp: bool = False
+    """No options yet: the shard group is the data-parallel mesh dimension."""
 
 
 @register_method
@@ -37,9 +37,11 @@ class Zero1(Method):
             )
         params = [p for g in opt.param_groups for p in g["params"]]
         opt_cls = type(opt)
-        # defaults may hold derived keys the constructor does not take (AdamW: decoupled_weight_decay)
+        # the group's own values (they override the defaults); keep only constructor arguments
+        # (defaults may hold derived keys the constructor does not take, e.g. AdamW's decoupled_weight_decay)
         accepted = inspect.signature(opt_cls.__init__).parameters
-        defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
+        group = {**opt.defaults, **{k: v for k, v in opt.param_groups[0].items() if k != "params"}}
+        defaults = {k: v for k, v in group.items() if k in accepted}
         zero = ZeroRedundancyOptimizer(
             params, optimizer_class=opt_cls, process_group=ctx.mesh.group("dp"), **defaults
         )

@@ -1,9 +1,9 @@
 """DDP communication hooks: gradient compression that also works on gloo (CPU).
 
-The stock ``bf16_compress_hook`` refuses gloo (gloo cannot all-reduce bfloat16). Here bf16 gradients
-travel as raw bytes through ``all_gather`` (gloo moves any dtype that way) and are summed in fp32 on
-arrival: the same numbers a bf16 all-reduce gives, at (world-1)/2x its traffic, fine at the 2-8 ranks a
-CPU job uses. On NCCL the stock hooks are used.
+The stock ``bf16_compress_hook`` refuses any backend but NCCL (its own check). Here bf16 gradients
+travel as raw bytes through ``all_gather`` and are summed in fp32 on arrival, then rounded to bf16: each
+rank receives (world-1) compressed buckets, about world/2 times a ring all-reduce's traffic, fine at the
+2-8 ranks a CPU job uses. On NCCL the stock hooks are used.
 """
 # no `from __future__ import annotations`: DDP checks the hook's GradBucket annotation at runtime
 

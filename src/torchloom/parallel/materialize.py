@@ -14,11 +14,18 @@ def materialize_meta_model(model: nn.Module, device: torch.device) -> None:
     recomputes rotary buffers), else the model's own ``init_weights()``, else ``reset_parameters()`` on
     every submodule that has it. Modules with non-persistent buffers may define ``_init_buffers()``.
 
+    Non-persistent buffers are filled with a sentinel (NaN, or the dtype's minimum for integers) before
+    initialisation; one still holding it afterwards was never set, and loading a checkpoint cannot set it
+    either, so that is an error rather than silent garbage that differs from rank to rank.
+
     Raises:
-        RuntimeError: a parameter or buffer is still on the meta device afterwards (name listed).
+        RuntimeError: a parameter or buffer is still on the meta device afterwards, or a non-persistent
+            buffer was not initialised (names listed, with the fix).
     """
     model.to_empty(device=device)
     with torch.no_grad():
+        for _, buf in _non_persistent_buffers(model):
+            _fill_sentinel(buf)
         if hasattr(model, "initialize_weights") and hasattr(model, "_init_weights"):
             _hf_init(model)
         elif hasattr(model, "init_weights") and callable(model.init_weights):
@@ -33,6 +40,48 @@ def materialize_meta_model(model: nn.Module, device: torch.device) -> None:
     still = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still:
         raise RuntimeError(f"tensors still on the meta device after materialisation: {still[:5]}")
+    unset = [n for n, b in _non_persistent_buffers(model) if _is_sentinel(b)]
+    if unset:
+        raise RuntimeError(
+            f"non-persistent buffer(s) {unset[:5]} were not initialised after meta-device materialisation; they are "
+            "in no state dict, so loading a checkpoint cannot fill them. Define `_init_buffers(self)` on the owning "
+            "module (or an `init_weights()` on the model) that recomputes them, or build the model on CPU."
+        )
+
+
+def _non_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for qual, mod in model.named_modules():
+        for name in sorted(getattr(mod, "_non_persistent_buffers_set", ())):
+            buf = mod._buffers.get(name)
+            if buf is not None:
+                buf = buf.to_local() if hasattr(buf, "to_local") else buf  # a DTensor buffer: this rank's part
+                out.append((f"{qual}.{name}" if qual else name, buf))
+    return out
+
+
+def _sentinel(t: torch.Tensor):
+    if t.is_floating_point() or t.is_complex():
+        return float("nan")
+    if t.dtype != torch.bool:
+        return torch.iinfo(t.dtype).min
+    return None  # a bool buffer has no value that could not be intended
+
+
+def _fill_sentinel(t: torch.Tensor) -> None:
+    value = _sentinel(t)
+    if value is not None and t.numel():
+        try:
+            t.fill_(value)
+        except RuntimeError:  # an expanded view whose elements share memory cannot be filled: leave it
+            pass
+
+
+def _is_sentinel(t: torch.Tensor) -> bool:
+    value = _sentinel(t)
+    if value is None or not t.numel() or t.is_meta:
+        return False
+    return bool(torch.isnan(t).all()) if isinstance(value, float) else bool((t == value).all())
 
 
 def _hf_init(model: nn.Module) -> None:

@@ -44,8 +44,11 @@ class Method:
     requires: ClassVar[tuple[str, ...]] = ()
     implies: ClassVar[tuple[str, ...]] = ()
     conflicts: ClassVar[dict[str, str]] = {}
-    #: True for methods that wrap the model for data parallelism (ddp, fsdp): they own gradient sync.
+    #: True for methods that wrap the model for data parallelism (ddp, fsdp): they own gradient sync, and
+    #: without one a dp degree > 1 gets ``ddp`` added.
     data_parallel: ClassVar[bool] = False
+    #: mesh dimensions this method parallelises (a degree > 1 on a dimension no method claims is an error)
+    mesh_dims: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any):
         self.config = config
