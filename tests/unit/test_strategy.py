@@ -238,3 +238,39 @@ def test_bad_arguments():
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
         torchloom.auto_accelerate(m, torch.optim.SGD, optim_args={"lr": 1})
+
+
+def test_values_checked_when_parsed():
+    with pytest.raises(StrategyError, match="every_k must be >= 1"):
+        Strategy([("checkpoint", {"every_k": 0})])
+    with pytest.raises(StrategyError, match="either 'dp'"):
+        Strategy([("parallel_mode", {"dp": 2, "dp_shard": 2})])
+    with pytest.raises(StrategyError, match="reduce_dtype"):
+        Strategy([("fsdp", {"reduce_dtype": "fp32"})])
+
+
+def test_unused_mesh_dimension_is_an_error():
+    from types import SimpleNamespace
+
+    from torchloom.api import _check_dims_used
+
+    # a 4-rank mesh (checked without launching 4 ranks): nothing parallelises tp
+    ctx = SimpleNamespace(mesh=SimpleNamespace(dims=ParallelDims(tp=2, dp_shard=2)))
+    with pytest.raises(StrategyError, match="tp=2 but no method in the strategy parallelises"):
+        _check_dims_used(ctx, Strategy(["fsdp"]).ordered())
+
+
+def test_loss_func_kinds_cannot_mix_and_batch_errors():
+    from torchloom import SumLoss
+    from torchloom.data import DataError
+
+    m = torch.nn.Linear(2, 1)
+    x = torch.randn(4, 2)
+    res = torchloom.auto_accelerate(m, torch.optim.SGD, optim_args={"lr": 0.1},
+                                    loss_func=lambda b, o: SumLoss(o.sum(), 4))
+    res.train_step(x)
+    res.train_step.loss_func = lambda b, o: o.mean()
+    with pytest.raises(TypeError, match="SumLoss every time or never"):
+        res.train_step(x)
+    with pytest.raises(DataError, match="global batch size must be a positive int, got 0"):
+        torchloom.auto_accelerate(m, torch.optim.SGD, optim_args={"lr": 0.1}, dataloader_args={"batch_size": 0})

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..errors import StrategyError
 from ..parallel.blocks import find_blocks
 from ..strategy.registry import Method, Stage, register_method
 
@@ -22,6 +23,10 @@ class CheckpointConfig:
     wrap_cls: list[str] | None = None
     every_k: int = 1
     preserve_rng_state: bool = True
+
+    def __post_init__(self):
+        if self.every_k < 1:
+            raise StrategyError(f"checkpoint: every_k must be >= 1 (1 = every block), got {self.every_k}.")
 
 
 @register_method
@@ -49,10 +54,6 @@ class ActivationCheckpoint(Method):
 
     def apply(self, ctx) -> None:
         c = self.config
-        if c.every_k < 1:
-            from ..errors import StrategyError
-
-            raise StrategyError(f"checkpoint: every_k must be >= 1, got {c.every_k}.")
         blocks = find_blocks(ctx.model, c.wrap_cls)
         chosen = blocks[:: c.every_k]
         stochastic = [q for q, b in chosen if has_active_dropout(b)]

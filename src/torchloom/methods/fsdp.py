@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..parallel.blocks import find_blocks, shared_parameter_owners
-from ..parallel.buffers import install_buffer_sync
+from ..parallel.buffers import broadcast_module_states, install_buffer_sync
 from ..parallel.materialize import materialize_meta_model
 from ..strategy.registry import Method, Stage, register_method
 from ..utils import has_accelerator
@@ -24,13 +25,16 @@ class FSDPConfig:
     reduce_dtype: gradient reduction dtype under amp (default float32).
     sync_buffers: average the running statistics of BatchNorm-like layers over the data-parallel ranks after
         every optimizer step (FSDP never synchronises buffers; see ``torchloom.parallel.buffers``).
+    sync_module_states: broadcast parameters and buffers from data-parallel rank 0 before sharding, so
+        ranks that built differently initialised models train one model (as DDP does at wrap time).
     """
 
     reshard_after_forward: bool = True
     wrap_cls: list[str] | None = None
     cpu_offload: bool = False
-    reduce_dtype: str = "float32"
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     sync_buffers: bool = True
+    sync_module_states: bool = True
 
 
 @register_method
@@ -65,6 +69,8 @@ class FSDP(Method):
         offload = CPUOffloadPolicy(pin_memory=has_accelerator()) if c.cpu_offload else OffloadPolicy()
         kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
 
+        if c.sync_module_states and not ctx.on_meta and ctx.mesh.dp_size > 1:
+            broadcast_module_states(model, ctx.mesh.group("dp"))
         blocks = find_blocks(model, c.wrap_cls)
         ctx.block_classes = sorted({type(m).__name__ for _, m in blocks})
         shared = shared_parameter_owners(model)
@@ -73,7 +79,11 @@ class FSDP(Method):
         for unit in units:
             mods = [modules[q] for q in unit]
             fully_shard(mods if len(mods) > 1 else mods[0], reshard_after_forward=c.reshard_after_forward, **kw)
-        # the root keeps everything else (embeddings, final norm, head; tied weights stay in one unit)
+        # the root keeps everything else (embeddings, final norm, head; tied weights stay in one unit). Only the
+        # root casts its outputs to fp32 (as the autocast path returns them); inner units stay low precision.
+        if ctx.autocast_dtype is not None:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=ctx.autocast_dtype, output_dtype=torch.float32,
+                                                   reduce_dtype=getattr(torch, c.reduce_dtype))
         fully_shard(model, reshard_after_forward=c.reshard_after_forward, **kw)
         if ctx.on_meta:
             materialize_meta_model(model, ctx.device if not c.cpu_offload else torch.device("cpu"))

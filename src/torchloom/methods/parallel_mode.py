@@ -38,6 +38,12 @@ class ParallelModeConfig:
     pp: int | None = None
     ep: int | None = None
 
+    def __post_init__(self):
+        if self.dp is not None and (self.dp_replicate is not None or self.dp_shard is not None):
+            raise StrategyError(
+                "parallel_mode: give either 'dp' (total data parallel) or 'dp_replicate'/'dp_shard', not both."
+            )
+
 
 @register_method
 class ParallelMode(Method):
@@ -75,9 +81,5 @@ class ParallelMode(Method):
             if v is not None:
                 setattr(ctx.dims, name, v)
         if c.dp is not None:
-            if c.dp_replicate is not None or c.dp_shard is not None:
-                raise StrategyError(
-                    "parallel_mode: give either 'dp' (total data parallel) or 'dp_replicate'/'dp_shard', not both."
-                )
             target = "dp_shard" if "fsdp" in ctx.strategy else "dp_replicate"
             setattr(ctx.dims, target, c.dp)

@@ -97,3 +97,11 @@ def install_buffer_sync(ctx, method: str) -> None:
 
 def _gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
+
+
+def broadcast_module_states(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Copy every parameter and buffer of ``model`` from the group's first rank to the others (in place,
+    before sharding or wrapping), so all ranks start from one model."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, group=group, group_src=0)

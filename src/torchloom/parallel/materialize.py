@@ -14,18 +14,19 @@ def materialize_meta_model(model: nn.Module, device: torch.device) -> None:
     recomputes rotary buffers), else the model's own ``init_weights()``, else ``reset_parameters()`` on
     every submodule that has it. Modules with non-persistent buffers may define ``_init_buffers()``.
 
-    Non-persistent buffers are filled with a sentinel (NaN, or the dtype's minimum for integers) before
-    initialisation; one still holding it afterwards was never set, and loading a checkpoint cannot set it
-    either, so that is an error rather than silent garbage that differs from rank to rank.
+    Every parameter and buffer (this rank's shard) is filled with a sentinel (NaN, or the dtype's minimum
+    for integers) before initialisation; one still holding it afterwards was never set, which is an error
+    rather than silent garbage that differs from rank to rank. Non-persistent buffers matter most: they are
+    in no state dict, so loading a checkpoint cannot fix them.
 
     Raises:
-        RuntimeError: a parameter or buffer is still on the meta device afterwards, or a non-persistent
-            buffer was not initialised (names listed, with the fix).
+        RuntimeError: a parameter or buffer is still on the meta device afterwards, or was not initialised
+            (names listed, with the fix).
     """
     model.to_empty(device=device)
     with torch.no_grad():
-        for _, buf in _non_persistent_buffers(model):
-            _fill_sentinel(buf)
+        for _, t in _local_tensors(model):
+            _fill_sentinel(t)
         if hasattr(model, "initialize_weights") and hasattr(model, "_init_weights"):
             _hf_init(model)
         elif hasattr(model, "init_weights") and callable(model.init_weights):
@@ -40,13 +41,30 @@ def materialize_meta_model(model: nn.Module, device: torch.device) -> None:
     still = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still:
         raise RuntimeError(f"tensors still on the meta device after materialisation: {still[:5]}")
-    unset = [n for n, b in _non_persistent_buffers(model) if _is_sentinel(b)]
-    if unset:
+    non_persistent = {n for n, _ in _non_persistent_buffers(model)}
+    unset = [n for n, t in _local_tensors(model) if _is_sentinel(t)]
+    if any(n in non_persistent for n in unset):
+        bufs = [n for n in unset if n in non_persistent]
         raise RuntimeError(
-            f"non-persistent buffer(s) {unset[:5]} were not initialised after meta-device materialisation; they are "
+            f"non-persistent buffer(s) {bufs[:5]} were not initialised after meta-device materialisation; they are "
             "in no state dict, so loading a checkpoint cannot fill them. Define `_init_buffers(self)` on the owning "
             "module (or an `init_weights()` on the model) that recomputes them, or build the model on CPU."
         )
+    if unset:
+        raise RuntimeError(
+            f"parameter(s)/buffer(s) {unset[:5]} were not initialised after meta-device materialisation (their module "
+            "has no reset_parameters() and the model no init_weights()). Give the module a reset_parameters() or the "
+            "model an init_weights(), or build the model on CPU."
+        )
+
+
+def _local_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer as this rank's local tensor (the shard of a DTensor)."""
+    out = []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        t = t.data if isinstance(t, nn.Parameter) else t
+        out.append((name, t.to_local() if hasattr(t, "to_local") else t))
+    return out
 
 
 def _non_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
