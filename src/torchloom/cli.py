@@ -1,0 +1,228 @@
+"""The ``loom`` command line: ``loom run`` (launcher), ``loom train`` (the reference job) and ``loom ckpt``.
+
+See ``docs/launch.md`` and ``docs/train.md``.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+
+
+def _exit(code: int) -> None:
+    """Leave with ``code`` through the reliable shutdown (flush, ``os._exit``)."""
+    from .elastic.shutdown import clean_exit
+
+    clean_exit(int(code))
+
+
+def launch_options(default_nproc: int | str):
+    """The torchrun options shared by ``loom run`` and ``loom train``."""
+    def deco(f):
+        opts = [
+            click.option("--nproc", "--nproc-per-node", "nproc", default=str(default_nproc), show_default=True,
+                         help="processes per node: an integer or auto/cpu/gpu/xpu"),
+            click.option("--nnodes", default="1", show_default=True, help="nodes: N or MIN:MAX (elastic)"),
+            click.option("--node-rank", type=int, default=None, help="this node's rank (static rendezvous)"),
+            click.option("--rdzv-backend", default=None, help="rendezvous backend (c10d, etcd, static, ...)"),
+            click.option("--rdzv-endpoint", default=None, help="rendezvous HOST:PORT"),
+            click.option("--rdzv-id", default=None, help="job id shared by all nodes"),
+            click.option("--rdzv-conf", default=None, help="extra rendezvous config, key1=v1,key2=v2"),
+            click.option("--max-restarts", type=int, default=None, help="worker-group restarts on failure"),
+            click.option("--monitor-interval", type=float, default=None, help="seconds between worker checks"),
+            click.option("--master-addr", default=None, help="static rendezvous: address of node 0"),
+            click.option("--master-port", type=int, default=None, help="static rendezvous: port on node 0"),
+            click.option("--log-dir", default=None, help="directory for worker logs"),
+            click.option("--redirects", default=None, help="redirect worker std streams to --log-dir (0-3)"),
+            click.option("--tee", default=None, help="tee worker std streams to console and --log-dir (0-3)"),
+            click.option("--local-ranks-filter", default=None, help="show console output of these local ranks only"),
+        ]
+        for o in reversed(opts):
+            f = o(f)
+        return f
+
+    return deco
+
+
+_LAUNCH_KEYS = ("nproc", "nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
+                "max_restarts", "monitor_interval", "master_addr", "master_port", "log_dir", "redirects", "tee",
+                "local_ranks_filter")
+
+
+def _launch_opts(kw: dict):
+    from .elastic.launcher import LaunchOptions
+
+    return LaunchOptions(**{k: kw.pop(k) for k in _LAUNCH_KEYS})
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="torchloom")
+def main() -> None:
+    """torchloom: single-device PyTorch training code to distributed training with one call."""
+
+
+# ------------------------------------------------------------------------------------------- run
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@launch_options(default_nproc=1)
+@click.option("-m", "--module", "module", is_flag=True, help="TARGET is a module name (python -m TARGET)")
+@click.argument("target", required=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def run(module: bool, target: str | None, args: tuple[str, ...], **kw) -> None:
+    """Run TARGET (a script, or -m MODULE) on --nproc processes per node with torchrun.
+
+    Everything after TARGET is passed to it. Exits with the job's exit code.
+
+    \b
+    Examples:
+      loom run --nproc 2 train.py --lr 1e-3
+      loom run --nproc 4 -m mypkg.train
+      loom run --nnodes 2 --nproc 8 --rdzv-endpoint node0:29400 --rdzv-id job1 train.py
+    """
+    from .elastic import launcher
+
+    if not target:
+        raise click.UsageError("give a script to run, or -m MODULE.")
+    opts = _launch_opts(kw)
+    try:
+        code = launcher.run(opts, target, list(args), module=module)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    _exit(code)
+
+
+# ----------------------------------------------------------------------------------------- train
+@main.command()
+@click.argument("config", required=False)
+@launch_options(default_nproc=2)
+@click.option("--output-dir", default=None, help="where metrics, checkpoints and weights go (overrides output_dir)")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="override one config value, e.g. --set train.steps=100 (repeatable)")
+@click.option("--max-steps-this-run", type=int, default=None, metavar="K",
+              help="stop after K steps (simulates an interruption; re-run the same command to resume)")
+@click.option("--no-launch", is_flag=True, help="run the job in this process (no launcher; used by workers)")
+def train(config: str | None, output_dir: str | None, overrides: tuple[str, ...], max_steps_this_run: int | None,
+          no_launch: bool, **kw) -> None:
+    """Train the reference LLaMA-style model on Shakespeare.
+
+    CONFIG is a YAML file or a packaged config name (default, smoke); without it the default config runs.
+    The job resumes from the newest complete checkpoint in the output dir.
+
+    \b
+    Examples:
+      loom train
+      loom train smoke --output-dir /tmp/smoke
+      loom train my.yaml --set train.steps=500 --set strategy=[fsdp]
+    """
+    from .train.config import ConfigError, TrainConfig
+
+    job_args: list[str] = [config] if config else []
+    if output_dir is not None:
+        job_args += ["--output-dir", output_dir]
+    for item in overrides:
+        job_args += ["--set", item]
+    if max_steps_this_run is not None:
+        job_args += ["--max-steps-this-run", str(max_steps_this_run)]
+    if no_launch:
+        from .train.job import main as job_main
+
+        job_main(job_args)  # never returns
+        return
+    try:  # fail fast, before any process starts
+        cfg = TrainConfig.load(config or "default", list(overrides), output_dir)
+        from .train.corpus import check_eval_plays
+
+        check_eval_plays(cfg.data.eval_plays)
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        _exit(2)
+    if max_steps_this_run is not None and max_steps_this_run < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--max-steps-this-run")
+    from .elastic import launcher
+
+    opts = _launch_opts(kw)
+    try:
+        code = launcher.run(opts, "torchloom.train.job", job_args, module=True)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    _exit(code)
+
+
+# ------------------------------------------------------------------------------------------ ckpt
+@main.group()
+def ckpt() -> None:
+    """Inspect and convert checkpoints."""
+
+
+@ckpt.command("list")
+@click.argument("root", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def ckpt_list(root: Path) -> None:
+    """List the checkpoints under ROOT (a checkpoint root, or a training output dir)."""
+    from .checkpoint import commit
+    from .errors import CheckpointError
+
+    if not commit.list_checkpoints(root) and (root / "checkpoints").is_dir():
+        root = root / "checkpoints"
+    rows = commit.list_checkpoints(root)
+    tmp = sorted(p.name for p in root.iterdir() if p.name.startswith(commit.TMP_PREFIX))
+    if not rows and not tmp:
+        click.echo(f"no checkpoints under {root}")
+        return
+    latest = commit.latest_complete(root)
+    click.echo(f"{'step':>10}  {'status':<10}  {'world':>5}  {'size':>10}  {'saved (UTC)':<20}  path")
+    for step, path in rows:
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        try:
+            m = commit.verify(path)
+            status, world, when = "complete", str(m.world_size), _iso(m.time)
+        except CheckpointError:
+            status, world, when = "INCOMPLETE", "-", "-"
+        mark = "  (latest)" if latest is not None and path == latest else ""
+        click.echo(f"{step:>10}  {status:<10}  {world:>5}  {_size(size):>10}  {when:<20}  {path}{mark}")
+    for name in tmp:
+        click.echo(f"{'-':>10}  {'partial':<10}  {'-':>5}  {'-':>10}  {'-':<20}  {root / name}")
+
+
+@ckpt.command("export")
+@click.argument("checkpoint_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+def ckpt_export(checkpoint_dir: Path, out: Path) -> None:
+    """Write CHECKPOINT_DIR's model weights as one consolidated safetensors file OUT.
+
+    CHECKPOINT_DIR is one checkpoint or a root (its newest complete checkpoint is used). No process group
+    is needed.
+    """
+    from .checkpoint import export_from_dcp
+    from .errors import CheckpointError
+
+    from .checkpoint import commit
+
+    if not commit.is_checkpoint_dir(checkpoint_dir) and not commit.list_checkpoints(checkpoint_dir) \
+            and (checkpoint_dir / "checkpoints").is_dir():
+        checkpoint_dir = checkpoint_dir / "checkpoints"  # a training output dir
+    try:
+        path = export_from_dcp(checkpoint_dir, out)
+    except CheckpointError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    click.echo(f"wrote {path} ({_size(path.stat().st_size)})")
+
+
+def _iso(t: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+if __name__ == "__main__":
+    main()

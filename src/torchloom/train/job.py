@@ -1,0 +1,471 @@
+"""The reference job behind `loom train`: a LLaMA-style model trained on Shakespeare with torchloom.
+
+Run under the launcher (``loom train`` = ``loom run --nproc 2 -m torchloom.train.job ...``) or as one
+process (``loom train --no-launch``). Every process ends through
+:func:`torchloom.elastic.shutdown.clean_exit`: exit code 0 after a correct run, 1 with a traceback on an
+error, 2 for an invalid config. See ``docs/train.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .config import ConfigError, TrainConfig
+
+_PREFIX = "[loom]"
+
+
+# ------------------------------------------------------------------------------------ recipe parts
+def build_model(mc, vocab_size: int, eos_id: int, seed: int):
+    """``LlamaForCausalLM`` from ``mc`` (a :class:`ModelConfig`), initialised from ``seed``, in fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+        max_position_embeddings=mc.seq_len, tie_word_embeddings=mc.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": mc.rope_theta},
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, use_cache=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def causal_lm_loss(batch: dict[str, torch.Tensor], output: Any):
+    """Summed next-token cross-entropy and the number of predicted tokens (labels != -100), as
+    :class:`torchloom.SumLoss`, so gradient accumulation and data parallelism normalise exactly."""
+    from torchloom import SumLoss
+
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    labels = batch["labels"][:, 1:].reshape(-1)
+    logits = logits[:, :-1, :].reshape(-1, logits.shape[-1]).float()
+    total = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    return SumLoss(total, (labels != -100).sum())
+
+
+def adamw(params, *, lr: float, weight_decay: float, betas: tuple[float, float], split_decay: bool = True):
+    """AdamW; with ``split_decay`` 1-D parameters (norm weights, biases) get no weight decay."""
+    params = list(params)
+    if split_decay:
+        decay = [p for p in params if p.ndim >= 2]
+        rest = [p for p in params if p.ndim < 2]
+        groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                              {"params": rest, "weight_decay": 0.0}) if g["params"]]
+        return torch.optim.AdamW(groups, lr=lr, betas=betas)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+def warmup_cosine(warmup: int, total: int, min_ratio: float):
+    """LR multiplier: linear warmup over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def compute_dtype(strategy) -> torch.dtype:
+    from torchloom.methods.amp import DTYPES
+
+    for name in ("amp", "half"):
+        c = strategy.config(name)
+        if c is not None:
+            return DTYPES[c.dtype]
+    return torch.float32
+
+
+# ------------------------------------------------------------------------------------------ job
+class Job:
+    """One run of the training job on this rank (state shared by the loop, eval, checkpointing)."""
+
+    def __init__(self, cfg: TrainConfig, max_steps_this_run: int | None = None):
+        self.cfg = cfg
+        self.max_steps_this_run = max_steps_this_run
+        self.t_start = time.perf_counter()
+        self.pbar = None
+
+    # -- output ---------------------------------------------------------------------------------------
+    def log(self, msg: str) -> None:
+        if self.rank != 0:
+            return
+        if self.pbar is not None:
+            self.pbar.write(f"{_PREFIX} {msg}", file=sys.stdout)
+        else:
+            print(f"{_PREFIX} {msg}", flush=True)
+        sys.stdout.flush()
+
+    # -- set-up ---------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from torch.optim.lr_scheduler import LambdaLR
+
+        import torchloom
+        from torchloom.parallel.distributed import init_distributed
+        from torchloom.strategy.strategy import Strategy
+
+        from .corpus import prepare_corpus
+        from .dataset import TokenWindows
+        from .metrics import PeakMemory, matmul_params, peak_flops
+
+        cfg = self.cfg
+        self.device = init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.out = Path(cfg.output_dir).resolve()
+        self.ckpt_root = self.out / "checkpoints"
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            import yaml
+
+            (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        self.log(f"output dir {self.out}; {self.world} process(es) on {self.device.type}, "
+                 f"{torch.get_num_threads()} thread(s) each; strategy {cfg.strategy}")
+
+        self.corpus = prepare_corpus(cfg.data.eval_plays, cfg.model.vocab_size, cfg.data.cache_dir, log=self.log)
+        c = self.corpus
+        self.log(f"corpus: {len(c.train_plays)} training texts, {c.train_ids.numel():,} tokens; held out "
+                 f"{c.eval_plays}: {c.eval_ids.numel():,} tokens; vocab {c.vocab_size} ({c.cache_dir})")
+        seq = cfg.model.seq_len
+        self.train_ds = TokenWindows(c.train_ids, seq)
+        self.eval_ds = TokenWindows(c.eval_ids, seq)
+
+        model = build_model(cfg.model, c.vocab_size, c.eos_id, cfg.train.seed)
+        self.hf_config = model.config
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.n_matmul = matmul_params(model)
+        from .metrics import flops_per_token
+
+        self.flops_per_token = flops_per_token(self.n_matmul, cfg.model.num_layers, cfg.model.hidden_size, seq)
+        strategy = Strategy.parse(cfg.strategy)
+        t = cfg.train
+        self.res = torchloom.auto_accelerate(
+            model, adamw, self.train_ds, causal_lm_loss, strategy=strategy,
+            optim_args={"lr": t.lr, "weight_decay": t.weight_decay, "betas": (t.beta1, t.beta2),
+                        "split_decay": "zero1" not in strategy},
+            dataloader_args={"batch_size": t.global_batch, "micro_batch_size": t.micro_batch,
+                             "num_workers": cfg.data.num_workers, "shuffle": True, "drop_last": True},
+            model_input_format="unpack_dict",
+            lr_scheduler_cls=LambdaLR,
+            lr_scheduler_args={"lr_lambda": warmup_cosine(t.warmup, t.steps, t.min_lr_ratio)},
+            max_grad_norm=t.max_grad_norm, seed=t.seed,
+        )
+        res = self.res
+        for note in res.notes:
+            self.log(f"  {note}")
+        self.tokens_per_step = res.global_batch_size * seq
+        self.log(f"model: LlamaForCausalLM, {self.n_params / 1e6:.2f}M parameters ({self.n_matmul / 1e6:.2f}M in "
+                 f"matmuls), {self.flops_per_token / 1e6:.1f} MFLOP/token; global batch {res.global_batch_size} x "
+                 f"{seq} tokens = micro {res.micro_batch_size} x dp {res.mesh.dp_size} x accum {res.grad_accum_steps}")
+        if len(res.dataloader) == 0:
+            raise ConfigError(f"train.global_batch={t.global_batch} is larger than the {len(self.train_ds)} "
+                              "training windows: nothing to train on.")
+
+        # peak FLOP/s: every rank measures at once (cores are shared), the job keeps the best
+        dtype = compute_dtype(res.strategy)
+        gen_state = torch.random.get_rng_state()
+        pf, self.peak_flops_source = peak_flops(self.device, dtype)
+        torch.random.set_rng_state(gen_state)
+        pf_t = torch.tensor([pf], dtype=torch.float64)
+        dist.all_reduce(pf_t, op=dist.ReduceOp.MAX)
+        self.peak_flops = float(pf_t.item())
+        self.log(f"peak {self.peak_flops / 1e9:.1f} GFLOP/s per rank ({self.peak_flops_source})")
+        self.mem = PeakMemory(self.device)
+
+    # -- evaluation -----------------------------------------------------------------------------------
+    def evaluate(self) -> float:
+        """Mean held-out loss per token over a fixed, evenly spaced subset of the held-out windows (the
+        same subset for any number of ranks, which split it); same value on every rank. Collective: every
+        rank runs the same number of forwards, as FSDP requires."""
+        cfg, res = self.cfg.eval, self.res
+        n = len(self.eval_ds)
+        want = n if cfg.batches is None else min(n, cfg.batches * cfg.batch_size)
+        want -= want % self.world
+        if want == 0:
+            raise ConfigError(f"the held-out set has {n} windows, fewer than the {self.world} ranks.")
+        idx = torch.linspace(0, n - 1, want).round().long()[self.rank::self.world]
+        bs = max(1, -(-cfg.batch_size // self.world))  # this rank's share of one eval batch
+        was_training = res.model.training
+        res.model.eval()
+        total = torch.zeros((), dtype=torch.float64)
+        with torch.no_grad():
+            for b in range(0, idx.numel(), bs):
+                part = idx[b:b + bs]
+                total += res.forward_loss(self.eval_ds.batch(part)).double().cpu() * part.numel()
+        res.model.train(was_training)
+        t = torch.stack([total, torch.tensor(float(idx.numel()), dtype=torch.float64)])
+        dist.all_reduce(t)
+        return float(t[0] / t[1])
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def save(self, step: int) -> Path:
+        from torchloom import checkpoint
+
+        res = self.res
+        t = time.perf_counter()
+        path = checkpoint.save(
+            self.ckpt_root, step=step, model=res.model, optimizer=res.optimizer, lr_scheduler=res.lr_scheduler,
+            dataloader=res.dataloader, keep_last=self.cfg.checkpoint.keep_last,
+            scaler_state=res.loss_scaler.state_dict() if res.loss_scaler is not None else None,
+            extra={"tokens_seen": self.tokens_seen, "train_time_s": self.train_time,
+                   "initial_eval_loss": self.initial_eval_loss, "last_eval_loss": self.last_eval_loss},
+        )
+        self.log(f"checkpoint step {step} -> {path} ({time.perf_counter() - t:.1f} s)")
+        return path
+
+    def maybe_resume(self) -> int:
+        from torchloom import checkpoint
+
+        latest = [checkpoint.latest_complete(self.ckpt_root) if self.rank == 0 else None]
+        dist.broadcast_object_list(latest, src=0)
+        if latest[0] is None:
+            return 0
+        res = self.res
+        info = checkpoint.load(latest[0], model=res.model, optimizer=res.optimizer,
+                               lr_scheduler=res.lr_scheduler, dataloader=res.dataloader)
+        step = int(info["step"])
+        extra = info.get("extra") or {}
+        self.tokens_seen = int(extra.get("tokens_seen", step * self.tokens_per_step))
+        self.train_time = float(extra.get("train_time_s", 0.0))
+        self.initial_eval_loss = extra.get("initial_eval_loss")
+        self.last_eval_loss = extra.get("last_eval_loss")
+        if res.loss_scaler is not None and info.get("scaler_state"):
+            res.loss_scaler.load_state_dict(info["scaler_state"])
+        ts = res.train_step
+        ts.optimizer_steps = step
+        ts.micro_step = step * ts.grad_accum_steps
+        self.log(f"resumed from step {step} ({info['path']})")
+        return step
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        from .metrics import MetricsWriter
+
+        cfg, res = self.cfg, self.res
+        self.tokens_seen, self.train_time = 0, 0.0
+        self.initial_eval_loss = self.last_eval_loss = None
+        start = self.maybe_resume()
+        writer = MetricsWriter(self.out / "metrics.jsonl", enabled=self.rank == 0)
+        if self.rank == 0:
+            if start == 0:
+                writer.truncate_after(-1)  # a fresh start: drop records of an earlier, unfinished run
+            else:
+                dropped = writer.truncate_after(start)
+                if dropped:
+                    self.log(f"dropped {dropped} metrics records after step {start} (redone now)")
+        total = cfg.train.steps
+        if start >= total:
+            self.log(f"already trained {start}/{total} steps")
+        if start == 0:
+            t = time.perf_counter()
+            self.initial_eval_loss = self.last_eval_loss = self.evaluate()
+            writer.write({"type": "eval", "step": 0, "eval_loss": self.initial_eval_loss})
+            self.log(f"step 0: held-out loss {self.initial_eval_loss:.4f} ({time.perf_counter() - t:.1f} s)")
+        stop_at = total if self.max_steps_this_run is None else min(total, start + self.max_steps_this_run)
+
+        ts = res.train_step
+        accum = res.grad_accum_steps
+        step, micro, loss_acc = start, 0, 0.0
+        run_tokens, run_time, mfus, peaks = 0, 0.0, [], [0] * self.world
+        last_saved = start
+        self.pbar = tqdm(total=total, initial=start, disable=not (self.rank == 0 and cfg.log.progress),
+                         dynamic_ncols=True, desc="train", unit="step", file=sys.stderr)
+        self.mem.reset()
+        t_prev = time.perf_counter()
+        lr = res.optimizer.param_groups[0]["lr"]
+        try:
+            while step < stop_at:
+                for batch in res.dataloader:
+                    loss = ts(batch)
+                    loss_acc += float(loss)
+                    micro += 1
+                    if micro < accum:
+                        continue
+                    micro = 0
+                    step += 1
+                    dt = time.perf_counter() - t_prev
+                    self.tokens_seen += self.tokens_per_step
+                    if step % cfg.log.interval == 0 or step == stop_at:
+                        stats = torch.tensor([loss_acc / accum, float(self.mem.read()), dt], dtype=torch.float64)
+                        gathered = [torch.zeros_like(stats) for _ in range(self.world)]
+                        dist.all_gather(gathered, stats)
+                        g = torch.stack(gathered)
+                        dt = float(g[:, 2].max())  # the step ends when the slowest rank ends it
+                        step_peaks = [int(v) for v in g[:, 1].tolist()]
+                        peaks = [max(a, b) for a, b in zip(peaks, step_peaks)]
+                        tok_s = self.tokens_per_step / dt
+                        mfu = self.flops_per_token * tok_s / (self.peak_flops * self.world)
+                        mfus.append(mfu)
+                        rec = {
+                            "type": "train", "step": step, "loss": float(g[:, 0].mean()), "lr": lr,
+                            "grad_norm": float(ts.last_grad_norm) if ts.last_grad_norm is not None else None,
+                            "tokens": self.tokens_per_step, "tokens_seen": self.tokens_seen,
+                            "tokens_per_s": tok_s, "step_time_s": dt,
+                            "peak_mem_bytes": step_peaks, "peak_mem_source": self.mem.source,
+                            "mfu": mfu, "flops_per_token": self.flops_per_token,
+                            "peak_flops": self.peak_flops, "peak_flops_source": self.peak_flops_source,
+                            "world_size": self.world, "skipped": bool(ts.last_step_skipped),
+                        }
+                        writer.write(rec)
+                        self.pbar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+                    run_tokens += self.tokens_per_step
+                    run_time += dt
+                    self.train_time += dt
+                    loss_acc = 0.0
+                    self.pbar.update(1)
+                    if cfg.eval.interval and step % cfg.eval.interval == 0 and step < total:
+                        self.last_eval_loss = self.evaluate()
+                        writer.write({"type": "eval", "step": step, "eval_loss": self.last_eval_loss})
+                        self.log(f"step {step}: held-out loss {self.last_eval_loss:.4f}")
+                    if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < total:
+                        self.save(step)
+                        last_saved = step
+                    if step >= stop_at:
+                        break
+                    self.mem.reset()
+                    lr = res.optimizer.param_groups[0]["lr"]
+                    t_prev = time.perf_counter()
+        finally:
+            self.pbar.close()
+            self.pbar = None
+        run = {"start_step": start, "end_step": step, "tokens": run_tokens, "time_s": run_time,
+               "tokens_per_s": run_tokens / run_time if run_time else None,
+               "mfu": sum(mfus) / len(mfus) if mfus else None, "peak_mem_bytes": peaks, "writer": writer,
+               "last_saved": last_saved}
+        return run
+
+    # -- the end --------------------------------------------------------------------------------------
+    def finish(self, run: dict[str, Any]) -> dict[str, Any] | None:
+        from torchloom import checkpoint
+
+        cfg, writer = self.cfg, run.pop("writer")
+        step, total = run["end_step"], cfg.train.steps
+        if step < total:
+            writer.close()
+            self.log(f"stopped after step {step} of {total} (--max-steps-this-run); re-run with the same "
+                     f"output dir to resume from the latest checkpoint (step {run['last_saved']})")
+            return None
+        final = self.evaluate()
+        if step > run["start_step"]:  # a re-run of a finished job trains nothing and logs nothing new
+            writer.write({"type": "eval", "step": step, "eval_loss": final})
+        writer.close()
+        self.last_eval_loss = final
+        if run["last_saved"] < step or not (self.ckpt_root / f"step_{step:08d}").exists():
+            self.save(step)
+        weights = checkpoint.export_safetensors(self.res.model, self.out / "model.safetensors")
+        sample = None
+        if self.rank == 0:
+            import shutil
+
+            self.hf_config.save_pretrained(self.out)
+            shutil.copyfile(self.corpus.tokenizer_path, self.out / "tokenizer.json")
+            if cfg.sample.max_new_tokens:
+                sample = generate_sample(self.out, weights, cfg.sample)
+        summary = {
+            "initial_eval_loss": self.initial_eval_loss, "final_eval_loss": final, "steps": step,
+            "resumed_from": run["start_step"] or None, "wall_time_s": time.perf_counter() - self.t_start,
+            "train_time_s": self.train_time, "this_run": {k: run[k] for k in ("start_step", "tokens", "time_s")},
+            "tokens_seen": self.tokens_seen, "tokens_per_s": run["tokens_per_s"], "mfu": run["mfu"],
+            "peak_mem_bytes": run["peak_mem_bytes"], "peak_flops": self.peak_flops,
+            "peak_flops_source": self.peak_flops_source, "world_size": self.world, "strategy": cfg.strategy,
+            "params": self.n_params, "tokens_per_step": self.tokens_per_step, "sample": sample,
+            "weights": str(weights), "checkpoints": str(self.ckpt_root),
+        }
+        if self.rank == 0:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            init = f"{self.initial_eval_loss:.4f}" if self.initial_eval_loss is not None else "?"
+            tps = f"{run['tokens_per_s']:,.0f}" if run["tokens_per_s"] else "?"
+            self.log(f"done: {step} steps; held-out loss {init} -> {final:.4f}; {tps} tokens/s; "
+                     f"wall {summary['wall_time_s']:.1f} s; peak memory per rank "
+                     f"{[round(b / 2**20) for b in run['peak_mem_bytes']]} MiB")
+            self.log(f"weights {weights}; summary {self.out / 'summary.json'}")
+            if sample is not None:
+                self.log("sample:\n" + sample)
+        dist.barrier()
+        return summary
+
+
+def generate_sample(out: Path, weights: Path, sc) -> str:
+    """Generate from the exported weights in a plain model on this process (no collectives)."""
+    from tokenizers import Tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from torchloom.checkpoint import load_safetensors
+
+    config = LlamaConfig.from_pretrained(out)
+    config.use_cache = True
+    model = LlamaForCausalLM(config)
+    load_safetensors(model, weights)
+    model.eval()
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ids = torch.tensor([tok.encode(sc.prompt).ids or [config.eos_token_id]])
+    torch.manual_seed(sc.seed)
+    with torch.no_grad():
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=sc.top_k or None,
+                             temperature=sc.temperature, max_new_tokens=sc.max_new_tokens,
+                             pad_token_id=config.eos_token_id)
+    return tok.decode(gen[0].tolist())
+
+
+def run(cfg: TrainConfig, max_steps_this_run: int | None = None) -> dict[str, Any] | None:
+    """Train with ``cfg`` on this process (joins the launcher's process group, if any). Returns the summary
+    on a finished run, None when stopped by ``max_steps_this_run``."""
+    if max_steps_this_run is not None and max_steps_this_run < 1:
+        raise ConfigError(f"--max-steps-this-run must be >= 1, got {max_steps_this_run}")
+    job = Job(cfg, max_steps_this_run)
+    job.setup()
+    return job.finish(job.train())
+
+
+# -------------------------------------------------------------------------------------- entry
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m torchloom.train.job",
+                                description="The torchloom reference training job (one process; see `loom train`).")
+    p.add_argument("config", nargs="?", default=None, help="YAML config file or packaged name (default: default)")
+    p.add_argument("--output-dir", default=None, help="overrides output_dir")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config value, e.g. train.steps=100 (repeatable)")
+    p.add_argument("--max-steps-this-run", type=int, default=None, metavar="K",
+                   help="stop after K optimizer steps (simulates an interruption; re-run to resume)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv``, run the job, and leave through ``clean_exit`` (never returns)."""
+    from torchloom.elastic.shutdown import clean_exit
+
+    args = parser().parse_args(argv)
+    code = 0
+    try:
+        cfg = TrainConfig.load(args.config if args.config is not None else "default", args.overrides,
+                               args.output_dir)
+        run(cfg, args.max_steps_this_run)
+    except ConfigError as e:
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
+            print(f"{_PREFIX} error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001 - any failure: traceback and a non-zero exit code
+        print(f"{_PREFIX} rank {os.environ.get('RANK', '0')} failed:", file=sys.stderr)
+        traceback.print_exc()
+        code = 1
+    clean_exit(code)
+
+
+if __name__ == "__main__":
+    main()

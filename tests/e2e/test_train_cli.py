@@ -1,0 +1,135 @@
+"""`loom train` end to end on 2 gloo processes: metrics, evaluation, checkpoints, sample, and an exact resume.
+
+The smoke config (2-layer model, 20 steps, checkpoint every 10) runs three times: once uninterrupted,
+and once stopped after 13 steps (--max-steps-this-run) then re-run in the same output dir, which resumes
+from step 10 and must end with bitwise the same weights and losses as the uninterrupted run.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "step_time_s", "peak_mem_bytes", "mfu", "peak_flops",
+                "peak_flops_source", "tokens_seen", "grad_norm", "world_size"}
+
+
+def loom(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("OMP_NUM_THREADS", None)  # let the launcher pick cores / nproc
+    return subprocess.run([sys.executable, "-m", "torchloom.cli", *args], cwd=REPO, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("corpus_cache")
+
+
+def smoke(out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
+    return loom("train", "smoke", "--output-dir", str(out), "--set", f"data.cache_dir={cache}",
+                "--set", "log.progress=false", *extra)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("smoke_full")
+    return out, smoke(out, cache_dir)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_smoke_run(full_run):
+    out, proc = full_run
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    log = proc.stdout
+
+    records = read_jsonl(out / "metrics.jsonl")
+    train = [r for r in records if r["type"] == "train"]
+    evals = [r for r in records if r["type"] == "eval"]
+    assert [r["step"] for r in train] == list(range(1, 21))
+    for r in train:
+        assert TRAIN_FIELDS <= set(r), TRAIN_FIELDS - set(r)
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["loss"] > 0 and r["lr"] > 0
+        assert len(r["peak_mem_bytes"]) == 2 and all(b > 10 * 2**20 for b in r["peak_mem_bytes"])
+        assert 0 < r["mfu"] < 1, r["mfu"]
+        assert r["peak_flops"] > 1e9 and r["peak_flops_source"].startswith(("measured:", "table:"))
+        assert r["world_size"] == 2 and r["tokens"] == 8 * 64
+    assert train[-1]["tokens_seen"] == 20 * 8 * 64
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+
+    assert [e["step"] for e in evals] == [0, 10, 20]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.5
+    assert 7.0 < evals[0]["eval_loss"] < 8.5  # ~ln(2048) at initialisation
+
+    ckpts = sorted((out / "checkpoints").iterdir())
+    assert [p.name for p in ckpts] == ["step_00000010", "step_00000020"]
+    assert all((p / "COMPLETE").is_file() for p in ckpts)
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["final_eval_loss"] == evals[-1]["eval_loss"]
+    assert summary["initial_eval_loss"] == evals[0]["eval_loss"]
+    assert summary["tokens_per_s"] > 0 and summary["sample"]
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert "held-out loss" in log and "sample:" in log and summary["sample"].splitlines()[0] in log
+
+
+def test_interrupted_run_resumes_exactly(tmp_path, full_run, cache_dir):
+    from safetensors.torch import load_file
+
+    ref_out, ref = full_run
+    assert ref.returncode == 0, ref.stdout[-4000:]
+    out = tmp_path / "resumed"
+
+    first = smoke(out, cache_dir, "--max-steps-this-run", "13")
+    assert first.returncode == 0, first.stdout[-4000:]
+    assert "stopped after step 13" in first.stdout
+    assert not (out / "summary.json").exists()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000010"]
+
+    second = smoke(out, cache_dir)
+    assert second.returncode == 0, second.stdout[-4000:]
+    assert "resumed from step 10" in second.stdout
+
+    a, b = read_jsonl(ref_out / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
+    key = lambda r: (r["type"], r["step"], r.get("loss"), r.get("eval_loss"), r.get("lr"))  # noqa: E731
+    assert [key(r) for r in b] == [key(r) for r in a]  # bitwise: same steps, losses, lrs; redone steps replaced
+    wa, wb = load_file(ref_out / "model.safetensors"), load_file(out / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert (wa[k] == wb[k]).all(), k
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (ref_out, out))
+    assert sa["final_eval_loss"] == sb["final_eval_loss"] and sb["resumed_from"] == 10
+    assert sa["tokens_seen"] == sb["tokens_seen"]
+
+
+def test_ckpt_list_and_export(tmp_path, full_run):
+    from safetensors.torch import load_file
+
+    out, proc = full_run
+    assert proc.returncode == 0
+    listing = loom("ckpt", "list", str(out), timeout=60)
+    assert listing.returncode == 0, listing.stdout
+    assert "step_00000020" in listing.stdout and "(latest)" in listing.stdout and "complete" in listing.stdout
+    exported = tmp_path / "w.safetensors"
+    r = loom("ckpt", "export", str(out / "checkpoints"), str(exported), timeout=60)
+    assert r.returncode == 0, r.stdout
+    a, b = load_file(out / "model.safetensors"), load_file(exported)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_rerun_of_a_finished_job_does_not_train_again(full_run, cache_dir):
+    out, proc = full_run
+    assert proc.returncode == 0
+    again = smoke(out, cache_dir, "--set", "sample.max_new_tokens=0")
+    assert again.returncode == 0, again.stdout[-4000:]
+    assert "resumed from step 20" in again.stdout
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records if r["type"] == "train"] == list(range(1, 21))
