@@ -37,6 +37,7 @@ class AccelerateResult:
         grad_accum_steps / micro_batch_size / global_batch_size: the derived batch arithmetic.
         loss_scaler: the fp16 dynamic loss scaler (amp fp16), else None.
         device: this rank's device (``cuda:LOCAL_RANK`` or CPU).
+        compute_dtype: dtype of the matmuls (amp's or half's dtype, else fp32): what MFU should divide by.
         notes: what each method did, in order.
     """
 
@@ -53,6 +54,7 @@ class AccelerateResult:
     global_batch_size: int | None = None
     loss_scaler: Any = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    compute_dtype: torch.dtype = torch.float32
     notes: list[str] = field(default_factory=list)
 
     def forward_loss(self, batch: Any) -> torch.Tensor:
@@ -184,6 +186,7 @@ def auto_accelerate(
         model=ctx.model, optimizer=ctx.optimizer, dataloader=dataloader, loss_func=loss_func,
         lr_scheduler=lr_scheduler, strategy=strategy, mesh=ctx.mesh, train_step=step, grad_accum_steps=accum,
         micro_batch_size=micro, global_batch_size=global_bs, loss_scaler=ctx.loss_scaler, device=device,
+        compute_dtype=ctx.autocast_dtype or ctx.param_dtype or torch.float32,
         notes=ctx.notes,
     )
 

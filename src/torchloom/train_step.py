@@ -181,3 +181,35 @@ class TrainStep:
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(factor)
+
+    # ------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Counters and loss-scaler state (plain data; part of every torchloom checkpoint).
+
+        Checkpoints are meant to be taken at optimizer-step boundaries: gradients accumulated inside a
+        window are not saved.
+        """
+        return {
+            "optimizer_steps": self.optimizer_steps,
+            "micro_step": self.micro_step,
+            "grad_accum_steps": self.grad_accum_steps,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore counters; the micro-step restarts at the step boundary with *this* run's accumulation
+        (which may differ after resuming on another data-parallel size with the global batch held).
+
+        Raises:
+            ValueError: the state was saved in the middle of an accumulation window.
+        """
+        if state["micro_step"] % max(int(state.get("grad_accum_steps", 1)), 1):
+            raise ValueError(
+                f"the checkpoint was taken after micro-step {state['micro_step']}, inside an accumulation window of "
+                f"{state['grad_accum_steps']}; its partial gradients were not saved. Save at optimizer-step boundaries."
+            )
+        self.optimizer_steps = int(state["optimizer_steps"])
+        self.micro_step = self.optimizer_steps * self.grad_accum_steps
+        if self.loss_scaler is not None and state.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+

@@ -274,3 +274,22 @@ def test_loss_func_kinds_cannot_mix_and_batch_errors():
         res.train_step(x)
     with pytest.raises(DataError, match="global batch size must be a positive int, got 0"):
         torchloom.auto_accelerate(m, torch.optim.SGD, optim_args={"lr": 0.1}, dataloader_args={"batch_size": 0})
+
+
+def test_train_step_state_round_trip_and_mid_window_error():
+    res = torchloom.auto_accelerate(torch.nn.Linear(2, 1), torch.optim.SGD, optim_args={"lr": 0.1},
+                                    loss_func=lambda b, o: o.mean(), dataloader_args={"batch_size": 4,
+                                                                                      "micro_batch_size": 2})
+    ts = res.train_step
+    assert ts.grad_accum_steps == 2
+    x = torch.randn(2, 2)
+    for _ in range(4):
+        ts(x)
+    state = ts.state_dict()
+    assert state["optimizer_steps"] == 2 and state["micro_step"] == 4
+    ts.optimizer_steps = ts.micro_step = 0
+    ts.load_state_dict(state)
+    assert (ts.optimizer_steps, ts.micro_step) == (2, 4)
+    ts(x)
+    with pytest.raises(ValueError, match="inside an accumulation window"):
+        ts.load_state_dict(ts.state_dict())

@@ -65,6 +65,7 @@ def save(
     dataloader: Any = None,
     extra: dict | None = None,
     scaler_state: dict | None = None,
+    train_step: Any = None,
     keep_last: int | None = None,
 ) -> Path:
     """Save a training state as ``<root>/step_{step:08d}/`` and return that path (on every rank).
@@ -82,6 +83,8 @@ def save(
             Saved once if every rank's state is equal, else per rank.
         extra: user data (JSON-like: dicts, lists, str, int, float, bool, None, small tensors).
         scaler_state: a loss scaler's ``state_dict()`` (plain data).
+        train_step: the :class:`~torchloom.TrainStep` of ``auto_accelerate``: its step counters and fp16
+            loss-scaler state are saved (so ``scaler_state`` is not needed with it).
         keep_last: keep only this many newest complete checkpoints under ``root`` (deleted only after
             this one is committed; the newest complete checkpoint is never deleted). ``None`` keeps all.
 
@@ -103,6 +106,7 @@ def save(
             "lr_scheduler": to_json(lr_scheduler.state_dict(), "lr_scheduler.state_dict()") if lr_scheduler is not None else None,
             "dataloader": to_json(dataloader.state_dict(), "dataloader.state_dict()") if dataloader is not None else None,
             "scaler_state": to_json(scaler_state, "scaler_state") if scaler_state is not None else None,
+            "train_step": to_json(train_step.state_dict(), "train_step.state_dict()") if train_step is not None else None,
             "extra": to_json(dict(extra or {}), "extra"),
         }
 
@@ -149,6 +153,7 @@ def save(
         "optimizer_state_empty": opt_empty,
         "lr_scheduler": enc["lr_scheduler"],
         "scaler_state": enc["scaler_state"],
+        "train_step": enc["train_step"],
         "extra": enc["extra"],
         "tied_params": tied_groups(model),
     }
@@ -188,6 +193,7 @@ def load(
     optimizer: Any = None,
     lr_scheduler: Any = None,
     dataloader: Any = None,
+    train_step: Any = None,
     strict: bool = True,
 ) -> dict:
     """Load a checkpoint written by :func:`save` into live objects. Collective.
@@ -195,7 +201,8 @@ def load(
     ``path_or_root`` is either one checkpoint directory (which must be complete) or a root, in which case
     the newest complete checkpoint under it is loaded (rank 0 decides and broadcasts, so all ranks agree).
     The world size and wrapping may differ from the saving job (DCP reshards). RNG: rank ``r`` restores
-    the state saved by rank ``r % saved_world_size``.
+    the state saved by rank ``r % saved_world_size``. ``train_step`` gets its counters and loss-scaler
+    state back (its accumulation may differ from the saving run's).
 
     Returns:
         ``{"step": int, "extra": dict, "scaler_state": dict | None, "path": Path}``
@@ -221,6 +228,11 @@ def load(
                 lr_scheduler.load_state_dict(ts["lr_scheduler"])
             elif strict:
                 raise CheckpointError(f"checkpoint {ckpt} has no lr_scheduler state (pass lr_scheduler=None or strict=False)")
+        if train_step is not None:
+            if ts.get("train_step") is not None:
+                train_step.load_state_dict(ts["train_step"])
+            elif strict:
+                raise CheckpointError(f"checkpoint {ckpt} has no train_step state (pass train_step=None or strict=False)")
         if dataloader is not None:
             state = ts.get("dataloader")
             per_rank = ts.get("dataloader_per_rank")

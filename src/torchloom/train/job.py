@@ -78,16 +78,6 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float):
     return f
 
 
-def compute_dtype(strategy) -> torch.dtype:
-    from torchloom.methods.amp import DTYPES
-
-    for name in ("amp", "half"):
-        c = strategy.config(name)
-        if c is not None:
-            return DTYPES[c.dtype]
-    return torch.float32
-
-
 # ------------------------------------------------------------------------------------------ job
 class Job:
     """One run of the training job on this rank (state shared by the loop, eval, checkpointing)."""
@@ -173,7 +163,7 @@ class Job:
                               "training windows: nothing to train on.")
 
         # peak FLOP/s: every rank measures at once (cores are shared), the job keeps the best
-        dtype = compute_dtype(res.strategy)
+        dtype = res.compute_dtype
         gen_state = torch.random.get_rng_state()
         pf, self.peak_flops_source = peak_flops(self.device, dtype)
         torch.random.set_rng_state(gen_state)
@@ -216,8 +206,7 @@ class Job:
         t = time.perf_counter()
         path = checkpoint.save(
             self.ckpt_root, step=step, model=res.model, optimizer=res.optimizer, lr_scheduler=res.lr_scheduler,
-            dataloader=res.dataloader, keep_last=self.cfg.checkpoint.keep_last,
-            scaler_state=res.loss_scaler.state_dict() if res.loss_scaler is not None else None,
+            dataloader=res.dataloader, train_step=res.train_step, keep_last=self.cfg.checkpoint.keep_last,
             extra={"tokens_seen": self.tokens_seen, "train_time_s": self.train_time,
                    "initial_eval_loss": self.initial_eval_loss, "last_eval_loss": self.last_eval_loss},
         )
@@ -233,18 +222,13 @@ class Job:
             return 0
         res = self.res
         info = checkpoint.load(latest[0], model=res.model, optimizer=res.optimizer,
-                               lr_scheduler=res.lr_scheduler, dataloader=res.dataloader)
+                               lr_scheduler=res.lr_scheduler, dataloader=res.dataloader, train_step=res.train_step)
         step = int(info["step"])
         extra = info.get("extra") or {}
         self.tokens_seen = int(extra.get("tokens_seen", step * self.tokens_per_step))
         self.train_time = float(extra.get("train_time_s", 0.0))
         self.initial_eval_loss = extra.get("initial_eval_loss")
         self.last_eval_loss = extra.get("last_eval_loss")
-        if res.loss_scaler is not None and info.get("scaler_state"):
-            res.loss_scaler.load_state_dict(info["scaler_state"])
-        ts = res.train_step
-        ts.optimizer_steps = step
-        ts.micro_step = step * ts.grad_accum_steps
         self.log(f"resumed from step {step} ({info['path']})")
         return step
 
