@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -14,9 +15,9 @@ from .data import build_dataloader, plan_batches
 from .errors import StrategyError
 from .parallel.distributed import init_distributed
 from .parallel.materialize import materialize_meta_model
-from .parallel.mesh import ParallelMesh
+from .parallel.mesh import ParallelDims, ParallelMesh
 from .strategy.strategy import Strategy, StrategyLike
-from .train_step import TrainStep, call_model
+from .train_step import TrainStep, _output_loss, call_model
 
 log = logging.getLogger("torchloom")
 
@@ -61,7 +62,8 @@ class AccelerateResult:
         """Loss of one batch without backward (for evaluation); runs the model as ``train_step`` does."""
         ts = self.train_step
         batch = ts.prepare_input(batch, ts.device)
-        out = ts.loss_func(batch, call_model(self.model, batch, ts.model_input_format))
+        output = call_model(self.model, batch, ts.model_input_format)
+        out = ts.loss_func(batch, output) if ts.loss_func is not None else _output_loss(output)
         from .train_step import SumLoss
 
         if isinstance(out, SumLoss):
@@ -93,7 +95,8 @@ def auto_accelerate(
             parameters that require grad.
         dataset: map-style or iterable dataset, or None.
         loss_func: ``loss_func(batch, output) -> loss`` (0-dim tensor), a tuple whose first item is the loss,
-            or :class:`~torchloom.train_step.SumLoss` to normalise by the global item count.
+            or :class:`~torchloom.train_step.SumLoss` to normalise by the global item count. None: use the
+            model output's ``loss`` (Hugging Face models given ``labels``).
         strategy: list of methods (``["fsdp", ("amp", {"dtype": "bfloat16"})]``, ATorch lists accepted), a
             :class:`Strategy`, a JSON/YAML file path, or None (plain data parallel).
         optim_args: keyword arguments of ``optim_func`` (e.g. ``{"lr": 3e-4}``).
@@ -128,6 +131,7 @@ def auto_accelerate(
         raise ValueError(
             f"model_input_format={model_input_format!r} is not valid; use None, 'unpack_sequence' or 'unpack_dict'."
         )
+    _check_arguments(optim_func, max_grad_norm, seed)
     device = init_distributed()
     strategy = Strategy.parse(strategy)
     ctx = AccelContext(model=model, strategy=strategy, device=device)
@@ -161,8 +165,6 @@ def auto_accelerate(
         m.apply(ctx)
 
     # 3. optimizer after sharding (it must see the sharded parameters), then optimizer-level methods
-    if optim_func is None:
-        raise ValueError("optim_func is required: pass an optimizer class such as torch.optim.AdamW.")
     params = [p for p in ctx.model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters (all have requires_grad=False).")
@@ -189,6 +191,44 @@ def auto_accelerate(
         compute_dtype=ctx.autocast_dtype or ctx.param_dtype or torch.float32,
         notes=ctx.notes,
     )
+
+
+def plan_dims(strategy: StrategyLike, world_size: int) -> ParallelDims:
+    """The mesh degrees ``auto_accelerate`` would use for ``strategy`` on ``world_size`` processes, without
+    a process group or a model (for checks before launching).
+
+    Raises:
+        StrategyError: invalid strategy or degrees that do not fit ``world_size``.
+    """
+    strategy = Strategy.parse(strategy)
+    ctx = AccelContext(model=nn.Module(), strategy=strategy, device=torch.device("cpu"))
+    for m in strategy.ordered():
+        m.configure(ctx)
+    _default_dims(ctx)
+    return ctx.dims.resolve(world_size)
+
+
+def _check_arguments(optim_func, max_grad_norm, seed) -> None:
+    """Cheap checks before anything distributed happens (a wrong value here would train silently wrong)."""
+    if optim_func is None:
+        raise ValueError("optim_func is required: pass an optimizer class such as torch.optim.AdamW.")
+    if isinstance(optim_func, torch.optim.Optimizer):
+        raise TypeError(
+            f"optim_func must be an optimizer class or a factory `fn(params, **optim_args)`, not an optimizer instance "
+            f"({type(optim_func).__name__}): the optimizer is built after sharding, over the sharded parameters. Pass "
+            f"{type(optim_func).__name__} and its arguments in optim_args."
+        )
+    if not callable(optim_func):
+        raise TypeError(f"optim_func must be callable (an optimizer class or factory), got {optim_func!r}.")
+    if max_grad_norm is not None:
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not math.isfinite(
+                max_grad_norm) or max_grad_norm <= 0:
+            raise ValueError(
+                f"max_grad_norm must be a positive finite number or None (no clipping), got {max_grad_norm!r}; a "
+                "non-positive value would freeze or reverse the updates."
+            )
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}.")
 
 
 def _check_dims_used(ctx: AccelContext, methods) -> None:

@@ -116,6 +116,7 @@ def train(config: str | None, output_dir: str | None, overrides: tuple[str, ...]
       loom train smoke --output-dir /tmp/smoke
       loom train my.yaml --set train.steps=500 --set strategy=[fsdp]
     """
+    from .errors import TorchloomError
     from .train.config import ConfigError, TrainConfig
 
     job_args: list[str] = [config] if config else []
@@ -135,7 +136,8 @@ def train(config: str | None, output_dir: str | None, overrides: tuple[str, ...]
         from .train.corpus import check_eval_plays
 
         check_eval_plays(cfg.data.eval_plays)
-    except ConfigError as e:
+        _check_fits(cfg, kw)
+    except (ConfigError, TorchloomError) as e:
         click.echo(f"error: {e}", err=True)
         _exit(2)
     if max_steps_this_run is not None and max_steps_this_run < 1:
@@ -148,6 +150,19 @@ def train(config: str | None, output_dir: str | None, overrides: tuple[str, ...]
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     _exit(code)
+
+
+def _check_fits(cfg, kw: dict) -> None:
+    """With a fixed number of processes, check the mesh and the batch split before starting any (a bad fit
+    would otherwise surface as one traceback per rank after the corpus is loaded)."""
+    nproc, nnodes = str(kw.get("nproc")), str(kw.get("nnodes") or "1")
+    if not nproc.isdigit() or not nnodes.isdigit():
+        return  # auto / elastic ranges: the workers check it
+    from .api import plan_dims
+    from .data import plan_batches
+
+    dims = plan_dims(cfg.strategy, int(nproc) * int(nnodes))
+    plan_batches(cfg.train.global_batch, cfg.train.micro_batch, dims.dp)
 
 
 # ------------------------------------------------------------------------------------------ ckpt

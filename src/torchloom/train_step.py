@@ -50,16 +50,41 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
 
 def call_model(model: nn.Module, batch: Any, model_input_format: str | None) -> Any:
     """``None`` -> ``model(batch)``; ``"unpack_sequence"`` -> ``model(*batch)``; ``"unpack_dict"`` ->
-    ``model(**batch)``."""
+    ``model(**batch)``.
+
+    Raises:
+        TypeError: the batch's type does not fit the format (a mapping for "unpack_sequence", a non-mapping
+            for "unpack_dict").
+    """
     if model_input_format is None:
         return model(batch)
     if model_input_format == "unpack_sequence":
+        if isinstance(batch, Mapping) or not isinstance(batch, (list, tuple)):
+            raise TypeError(
+                f"model_input_format='unpack_sequence' calls model(*batch) and needs a list/tuple batch, got "
+                f"{type(batch).__name__}; use 'unpack_dict' for mapping batches or None to pass the batch as is."
+            )
         return model(*batch)
     if model_input_format == "unpack_dict":
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"model_input_format='unpack_dict' calls model(**batch) and needs a mapping batch, got "
+                f"{type(batch).__name__}; use 'unpack_sequence' for tuple batches or None to pass it as is."
+            )
         return model(**batch)
     raise ValueError(
         f"model_input_format={model_input_format!r} is not valid; use None, 'unpack_sequence' or 'unpack_dict'."
     )
+
+
+def _output_loss(output: Any) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if loss is None:
+        raise TypeError(
+            f"no loss_func was given and the model output ({type(output).__name__}) has no 'loss'; pass "
+            "loss_func=lambda batch, output: ... to auto_accelerate (or give a Hugging Face model `labels`)."
+        )
+    return loss
 
 
 class TrainStep:
@@ -106,16 +131,29 @@ class TrainStep:
         with self._maybe_no_sync(sync):
             output = call_model(self.model, batch, self.model_input_format)
             loss, report = self._loss(batch, output)
+            if loss.grad_fn is None:
+                raise RuntimeError(
+                    "the loss does not depend on any trainable parameter (no grad_fn): loss_func must compute it "
+                    "from the model output without .detach()/.item()/torch.tensor(...), and not under no_grad."
+                )
             if self.loss_scaler is not None:
                 loss = self.loss_scaler.scale_loss(loss)
-            loss.backward()
+            try:
+                loss.backward()
+            except RuntimeError as e:
+                if "find_unused_parameters" in str(e):
+                    raise RuntimeError(
+                        f"{e}\n[torchloom] some parameters received no gradient; with torchloom enable it in the "
+                        "strategy: ('ddp', {'find_unused_parameters': True})."
+                    ) from e
+                raise
         self.micro_step += 1
         if sync:
             self.step()
         return report
 
     def _loss(self, batch, output) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.loss_func(batch, output)
+        out = self.loss_func(batch, output) if self.loss_func is not None else _output_loss(output)
         is_sum = isinstance(out, SumLoss)
         if self._sum_mode is not None and self._sum_mode != is_sum:
             raise TypeError("loss_func must return SumLoss every time or never (gradients of sums and of means "

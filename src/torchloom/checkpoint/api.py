@@ -299,6 +299,7 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], tied: dict[str, str], p
         metadata[_TIED_META] = json.dumps(tied, sort_keys=True)
     try:
         save_file(tensors, str(part), metadata=metadata)
+        os.chmod(part, 0o644)  # an exported model is meant to be shared (the temp name got 0600)
         commit.fsync_file(part)
         os.replace(part, path)
         commit.fsync_dir(path.parent)

@@ -37,6 +37,11 @@ def plan_batches(global_batch_size: int | None, micro_batch_size: int | None, dp
         micro_batch_size = gbs // dp_size
     mb = _positive_int("micro batch size", micro_batch_size)
     gbs = dp_size * mb if global_batch_size is None else _positive_int("global batch size", global_batch_size)
+    if gbs % dp_size:
+        raise DataError(
+            f"global batch size {gbs} is not divisible by the data-parallel size {dp_size}: no micro batch size can "
+            f"split it evenly; use a multiple of {dp_size} (e.g. {_near(gbs, dp_size)})."
+        )
     step = dp_size * mb
     if gbs % step:
         raise DataError(

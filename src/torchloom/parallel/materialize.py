@@ -23,7 +23,9 @@ def materialize_meta_model(model: nn.Module, device: torch.device) -> None:
         RuntimeError: a parameter or buffer is still on the meta device afterwards, or was not initialised
             (names listed, with the fix).
     """
+    ties = _tied_parameter_slots(model)
     model.to_empty(device=device)
+    _retie(ties)
     with torch.no_grad():
         for _, t in _local_tensors(model):
             _fill_sentinel(t)
@@ -56,6 +58,25 @@ def materialize_meta_model(model: nn.Module, device: torch.device) -> None:
             "has no reset_parameters() and the model no init_weights()). Give the module a reset_parameters() or the "
             "model an init_weights(), or build the model on CPU."
         )
+
+
+def _tied_parameter_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, attribute) slots that hold the same Parameter (tied embedding/head). ``to_empty`` gives
+    each slot its own new tensor, which silently unties them."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((mod, name))
+    return [v for v in slots.values() if len(v) > 1]
+
+
+def _retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
+    for group in ties:
+        first = getattr(group[0][0], group[0][1])
+        for mod, name in group[1:]:
+            if getattr(mod, name) is not first:
+                setattr(mod, name, first)
 
 
 def _local_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

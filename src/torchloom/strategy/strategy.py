@@ -107,6 +107,8 @@ class Strategy:
                 "(e.g. {version: 1, methods: [fsdp, amp]})."
             )
         version = data.get("version", FORMAT_VERSION)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise StrategyError(f"strategy file 'version' must be an integer (e.g. version: {FORMAT_VERSION}), got {version!r}.")
         if version != FORMAT_VERSION:
             raise StrategyError(
                 f"strategy file version {version} is not supported by this torchloom (reads version "
@@ -115,17 +117,23 @@ class Strategy:
         extra = set(data) - {"version", "methods"}
         if extra:
             raise StrategyError(f"unknown top-level key(s) {sorted(extra)} in strategy file; valid: version, methods.")
-        return cls(data["methods"] or [])
+        methods = data["methods"] or []
+        if not isinstance(methods, list):
+            raise StrategyError(
+                f"strategy file 'methods' must be a list (e.g. methods: [fsdp, amp]), got {type(methods).__name__} "
+                f"{methods!r}."
+            )
+        return cls(methods)
 
     def save(self, path: str | Path) -> Path:
         """Write the strategy as JSON (``.json``) or YAML (``.yaml``/``.yml``)."""
         path = Path(path)
         data = self.to_dict()
-        if path.suffix in (".yaml", ".yml"):
+        if path.suffix.lower() in (".yaml", ".yml"):
             import yaml
 
             path.write_text(yaml.safe_dump(data, sort_keys=False))
-        elif path.suffix == ".json":
+        elif path.suffix.lower() == ".json":
             path.write_text(json.dumps(data, indent=2) + "\n")
         else:
             raise StrategyError(f"cannot save a strategy to '{path}': use a .json, .yaml or .yml file name.")
@@ -141,13 +149,14 @@ class Strategy:
         path = Path(path)
         if not path.exists():
             raise StrategyError(f"strategy file '{path}' does not exist.")
-        if path.suffix not in (".yaml", ".yml", ".json"):
+        suffix = path.suffix.lower()
+        if suffix not in (".yaml", ".yml", ".json"):
             raise StrategyError(
                 f"strategy file '{path}' must end in .json, .yaml or .yml (pickle files are never loaded)."
             )
         text = path.read_text()
         try:
-            if path.suffix in (".yaml", ".yml"):
+            if suffix in (".yaml", ".yml"):
                 import yaml
 
                 data = yaml.safe_load(text)
@@ -174,7 +183,7 @@ class Strategy:
                     "strategy='auto' (strategy search) is not available in this version; pass a list of methods, "
                     "e.g. ['fsdp', 'amp'] or a strategy file."
                 )
-            if isinstance(strategy, str) and not any(strategy.endswith(s) for s in (".json", ".yaml", ".yml")):
+            if isinstance(strategy, str) and not strategy.lower().endswith((".json", ".yaml", ".yml")):
                 # a single method name is a convenient shorthand
                 return cls([strategy])
             return cls.load(strategy)

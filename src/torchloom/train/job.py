@@ -219,6 +219,13 @@ class Job:
         latest = [checkpoint.latest_complete(self.ckpt_root) if self.rank == 0 else None]
         dist.broadcast_object_list(latest, src=0)
         if latest[0] is None:
+            if self.rank == 0:
+                from torchloom.checkpoint import commit
+
+                torn = [p.name for _, p in commit.list_checkpoints(self.ckpt_root)]
+                if torn:
+                    self.log(f"warning: no complete checkpoint in {self.ckpt_root} (incomplete: {torn}); "
+                             "starting from step 0")
             return 0
         res = self.res
         info = checkpoint.load(latest[0], model=res.model, optimizer=res.optimizer,
@@ -368,6 +375,11 @@ class Job:
             "params": self.n_params, "tokens_per_step": self.tokens_per_step, "sample": sample,
             "weights": str(weights), "checkpoints": str(self.ckpt_root),
         }
+        trained = step > run["start_step"]
+        if self.rank == 0 and not trained and (self.out / "summary.json").exists():
+            # a re-run of a finished job: keep the measured numbers of the run that trained
+            previous = json.loads((self.out / "summary.json").read_text())
+            summary = {**previous, "final_eval_loss": final, "sample": sample}
         if self.rank == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
             init = f"{self.initial_eval_loss:.4f}" if self.initial_eval_loss is not None else "?"
