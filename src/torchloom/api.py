@@ -150,7 +150,7 @@ def auto_accelerate(
         ddp.configure(ctx)
         methods = sorted([*methods, ddp], key=lambda m: type(m).stage)
         ctx.note(f"no data-parallel method given for dp={ctx.mesh.dp_size}: added ddp")
-    _check_dims_used(ctx, methods)
+    _check_dims_used(ctx.mesh.dims, methods)
     if ctx.loss_scaler is not None:
         ctx.loss_scaler.group = None  # world: every rank must agree on skipping
 
@@ -205,7 +205,9 @@ def plan_dims(strategy: StrategyLike, world_size: int) -> ParallelDims:
     for m in strategy.ordered():
         m.configure(ctx)
     _default_dims(ctx)
-    return ctx.dims.resolve(world_size)
+    dims = ctx.dims.resolve(world_size)
+    _check_dims_used(dims, strategy.ordered())
+    return dims
 
 
 def _check_arguments(optim_func, max_grad_norm, seed) -> None:
@@ -231,10 +233,10 @@ def _check_arguments(optim_func, max_grad_norm, seed) -> None:
         raise TypeError(f"seed must be an int, got {seed!r}.")
 
 
-def _check_dims_used(ctx: AccelContext, methods) -> None:
+def _check_dims_used(dims: ParallelDims, methods) -> None:
     """A degree > 1 on a dimension no method parallelises would silently duplicate work."""
     for dim in ("tp", "pp", "ep"):
-        degree = getattr(ctx.mesh.dims, dim)
+        degree = getattr(dims, dim)
         if degree > 1 and not any(dim in type(m).mesh_dims for m in methods):
             raise StrategyError(
                 f"parallel_mode sets {dim}={degree} but no method in the strategy parallelises the '{dim}' dimension "
@@ -243,18 +245,21 @@ def _check_dims_used(ctx: AccelContext, methods) -> None:
 
 
 def _default_dims(ctx: AccelContext) -> None:
+    """Data parallelism takes the rest of the world unless the user fixed it: nothing given -> the sharded
+    dim (fsdp) or the replicated dim (else) is -1; only one of dp_replicate/dp_shard given -> the other is
+    -1 when no dimension is -1 yet (so ``dp_replicate: 2`` with fsdp on 8 ranks is HSDP 2 x 4)."""
     d = ctx.dims
-    explicit = ctx.strategy.config("parallel_mode")
-    given = explicit is not None and any(
-        getattr(explicit, k) is not None for k in ("dp", "dp_replicate", "dp_shard")
-    )
-    if given:
-        # the unnamed data-parallel dim of the two stays 1 unless the other is -1
+    c = ctx.strategy.config("parallel_mode")
+    named = {k for k in ("dp", "dp_replicate", "dp_shard") if c is not None and getattr(c, k) is not None}
+    if not named:
+        if "fsdp" in ctx.strategy:
+            d.dp_shard = -1
+        else:
+            d.dp_replicate = -1
         return
-    if "fsdp" in ctx.strategy:
-        d.dp_shard = -1
-    else:
-        d.dp_replicate = -1
+    if len(named) == 1 and "dp" not in named and -1 not in d.as_dict().values():
+        other = "dp_shard" if "dp_replicate" in named else "dp_replicate"
+        setattr(d, other, -1)
 
 
 def _build_optimizer(optim_func, params, optim_args) -> torch.optim.Optimizer:

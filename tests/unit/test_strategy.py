@@ -250,14 +250,13 @@ def test_values_checked_when_parsed():
 
 
 def test_unused_mesh_dimension_is_an_error():
-    from types import SimpleNamespace
+    from torchloom.api import plan_dims
 
-    from torchloom.api import _check_dims_used
-
-    # a 4-rank mesh (checked without launching 4 ranks): nothing parallelises tp
-    ctx = SimpleNamespace(mesh=SimpleNamespace(dims=ParallelDims(tp=2, dp_shard=2)))
+    # a 4-rank mesh, planned without launching 4 ranks: nothing parallelises tp
     with pytest.raises(StrategyError, match="tp=2 but no method in the strategy parallelises"):
-        _check_dims_used(ctx, Strategy(["fsdp"]).ordered())
+        plan_dims([("parallel_mode", {"tp": 2}), "fsdp"], 4)
+    assert plan_dims(["fsdp"], 4).dp_shard == 4
+    assert plan_dims([("parallel_mode", {"dp_replicate": 2}), "fsdp"], 4).dp_shard == 2
 
 
 def test_loss_func_kinds_cannot_mix_and_batch_errors():

@@ -70,6 +70,8 @@ class FSDP(Method):
         kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
 
         if c.sync_module_states and not ctx.on_meta and ctx.mesh.dp_size > 1:
+            if not c.cpu_offload:
+                model.to(ctx.device)  # NCCL broadcasts device tensors only (fully_shard would move them anyway)
             broadcast_module_states(model, ctx.mesh.group("dp"))
         blocks = find_blocks(model, c.wrap_cls)
         ctx.block_classes = sorted({type(m).__name__ for _, m in blocks})
