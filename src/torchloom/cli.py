@@ -52,6 +52,42 @@ _LAUNCH_KEYS = ("nproc", "nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint",
                 "local_ranks_filter")
 
 
+def health_options(f):
+    """``--health-check`` and its settings, shared by ``loom run`` and ``loom train`` (docs/health.md)."""
+    opts = [
+        click.option("--health-check", is_flag=True,
+                     help="before the job, benchmark every rank (matmul, all-reduce); refuse to start if one is "
+                          "failing or slow"),
+        click.option("--health-threshold", type=float, default=0.5, show_default=True,
+                     help="a rank is slow below this fraction of the median matmul GFLOP/s"),
+        click.option("--health-timeout", type=float, default=60.0, show_default=True,
+                     help="seconds to wait for each rank's health result"),
+        click.option("--exclude-unhealthy", is_flag=True,
+                     help="with --nnodes MIN:MAX: a node that fails the check leaves; the job starts on the rest"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _preflight(opts, kw: dict) -> None:
+    """Run the ``--health-check`` gate; leave with its code when the job must not start on this node."""
+    check, threshold = kw.pop("health_check"), kw.pop("health_threshold")
+    timeout, exclude = kw.pop("health_timeout"), kw.pop("exclude_unhealthy")
+    if exclude and not check:
+        raise click.UsageError("--exclude-unhealthy needs --health-check.")
+    if not check:
+        return
+    from .elastic import health
+
+    try:
+        code = health.preflight(opts, threshold=threshold, timeout_s=timeout, exclude_unhealthy=exclude)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    if code:
+        _exit(code)
+
+
 def _launch_opts(kw: dict):
     from .elastic.launcher import LaunchOptions
 
@@ -67,6 +103,7 @@ def main() -> None:
 # ------------------------------------------------------------------------------------------- run
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @launch_options(default_nproc=1)
+@health_options
 @click.option("-m", "--module", "module", is_flag=True, help="TARGET is a module name (python -m TARGET)")
 @click.argument("target", required=False)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
@@ -86,6 +123,7 @@ def run(module: bool, target: str | None, args: tuple[str, ...], **kw) -> None:
     if not target:
         raise click.UsageError("give a script to run, or -m MODULE.")
     opts = _launch_opts(kw)
+    _preflight(opts, kw)
     try:
         code = launcher.run(opts, target, list(args), module=module)
     except ValueError as e:
@@ -97,6 +135,7 @@ def run(module: bool, target: str | None, args: tuple[str, ...], **kw) -> None:
 @main.command()
 @click.argument("config", required=False)
 @launch_options(default_nproc=2)
+@health_options
 @click.option("--output-dir", default=None, help="where metrics, checkpoints and weights go (overrides output_dir)")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="override one config value, e.g. --set train.steps=100 (repeatable)")
@@ -145,6 +184,7 @@ def train(config: str | None, output_dir: str | None, overrides: tuple[str, ...]
     from .elastic import launcher
 
     opts = _launch_opts(kw)
+    _preflight(opts, kw)
     try:
         code = launcher.run(opts, "torchloom.train.job", job_args, module=True)
     except ValueError as e:
@@ -163,6 +203,41 @@ def _check_fits(cfg, kw: dict) -> None:
 
     dims = plan_dims(cfg.strategy, int(nproc) * int(nnodes))
     plan_batches(cfg.train.global_batch, cfg.train.micro_batch, dims.dp)
+
+
+# ----------------------------------------------------------------------------------------- check
+@main.command()
+@launch_options(default_nproc=1)
+@click.option("--threshold", type=float, default=0.5, show_default=True,
+              help="a rank is slow below this fraction of the median matmul GFLOP/s")
+@click.option("--timeout", type=float, default=60.0, show_default=True,
+              help="seconds to wait for each rank's result")
+@click.option("--json", "as_json", is_flag=True, help="also print the report as one JSON line")
+def check(threshold: float, timeout: float, as_json: bool, **kw) -> None:
+    """Health-check the ranks a job would get: fp32 matmul GFLOP/s and all-reduce time per rank.
+
+    Prints a table (rank, host, local rank, GFLOP/s, all-reduce ms, verdict). Exit code 0 when every
+    rank is healthy, 1 when a rank failed, timed out or is slower than THRESHOLD x the median.
+
+    \b
+    Examples:
+      loom check --nproc 4
+      loom check --nnodes 2 --nproc 8 --rdzv-endpoint node0:29400 --rdzv-id job1
+    """
+    from .elastic import health
+
+    opts = _launch_opts(kw)
+    try:
+        code, report = health.launch_check(opts, threshold=threshold, timeout_s=timeout)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    if report is None:
+        click.echo(f"error: the health check produced no report (exit code {code}); see the worker output above.",
+                   err=True)
+        _exit(code or 1)
+    if as_json:
+        click.echo(report.to_json())
+    _exit(0 if report.healthy else 1)
 
 
 # ------------------------------------------------------------------------------------------ ckpt
@@ -223,6 +298,40 @@ def ckpt_export(checkpoint_dir: Path, out: Path) -> None:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
     click.echo(f"wrote {path} ({_size(path.stat().st_size)})")
+
+
+@ckpt.command("verify")
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def ckpt_verify(path: Path) -> None:
+    """Check PATH: one checkpoint, or every checkpoint under a root (or a training output dir).
+
+    A checkpoint passes if its COMPLETE marker is valid, every file it lists has the recorded size, and
+    trainer_state.json and the DCP .metadata parse: the checks a resume uses to choose a checkpoint (tensor
+    data is not read). For a root, one line per checkpoint and the one a resume would load. Exit code 0 if
+    PATH (for a root: at least one checkpoint under it) is usable, else 1.
+    """
+    from .checkpoint import check, commit
+    from .errors import CheckpointError
+
+    def _line(p: Path) -> bool:
+        try:
+            m = check(p)
+        except CheckpointError as e:
+            click.echo(f"FAILED  {p.name}: {e}")
+            return False
+        click.echo(f"ok      {p.name}: step {m.step}, saved by {m.world_size} rank(s), {len(m.files)} files, "
+                   f"{_size(sum(m.files.values()))}")
+        return True
+
+    if commit.is_checkpoint_dir(path):
+        sys.exit(0 if _line(path) else 1)
+    if not commit.list_checkpoints(path) and (path / "checkpoints").is_dir():
+        path = path / "checkpoints"  # a training output dir
+    usable = [p for _step, p in commit.list_checkpoints(path) if _line(p)]
+    if not usable:
+        click.echo(f"error: no usable checkpoint under {path}", err=True)
+        sys.exit(1)
+    click.echo(f"a resume from {path} loads {usable[-1]}")
 
 
 def _iso(t: float) -> str:

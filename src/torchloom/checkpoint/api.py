@@ -26,6 +26,7 @@ from torchloom.checkpoint.state import (
     load_dcp_state,
     optimizer_state_is_empty,
     quiet_single_process,
+    read_metadata_safely,
     read_model_tensors,
     restore_rng,
     short_error,
@@ -186,6 +187,32 @@ def _read_trainer_state_text(ckpt: Path) -> str:
     return text
 
 
+def _read_small_files(ckpt: Path) -> str:
+    """Rank 0's pre-load check: ``trainer_state.json`` and the DCP ``.metadata`` parse (a corrupt one makes
+    ``load(root)`` fall back to an older checkpoint instead of failing mid-load). Returns the trainer state."""
+    text = _read_trainer_state_text(ckpt)
+    read_metadata_safely(ckpt / ".metadata")
+    return text
+
+
+def check(ckpt_dir: str | os.PathLike) -> commit.Marker:
+    """Check that ``ckpt_dir`` is a checkpoint :func:`load` can use and return its marker. Local, no
+    process group.
+
+    Runs the checks ``load(root)`` uses to choose a checkpoint: the ``COMPLETE`` marker parses and every
+    file it lists exists with exactly the recorded size (bytes); ``trainer_state.json`` is a valid trainer
+    state; the DCP ``.metadata`` parses (with the safe unpickler). Tensor data is not read (a bit flip that
+    keeps a file's size is not detected).
+
+    Raises:
+        CheckpointError: naming the directory (incomplete) or the offending file.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    marker = commit.verify(ckpt_dir)
+    _read_small_files(ckpt_dir)
+    return marker
+
+
 def load(
     path_or_root: str | os.PathLike,
     *,
@@ -199,7 +226,9 @@ def load(
     """Load a checkpoint written by :func:`save` into live objects. Collective.
 
     ``path_or_root`` is either one checkpoint directory (which must be complete) or a root, in which case
-    the newest complete checkpoint under it is loaded (rank 0 decides and broadcasts, so all ranks agree).
+    the newest complete checkpoint under it is loaded (rank 0 decides and broadcasts, so all ranks agree);
+    a complete checkpoint whose ``trainer_state.json`` or DCP ``.metadata`` is corrupt is skipped with a
+    logged warning naming the file, and the next older one is loaded.
     The world size and wrapping may differ from the saving job (DCP reshards). RNG: rank ``r`` restores
     the state saved by rank ``r % saved_world_size``. ``train_step`` gets its counters and loss-scaler
     state back (its accumulation may differ from the saving run's).
@@ -212,7 +241,7 @@ def load(
             truncated or corrupt (the message names it), the root holds no complete checkpoint, or
             (``strict=True``) the checkpoint does not match the model/optimizer/scheduler/dataloader.
     """
-    ckpt, marker, text = commit.agree_on_checkpoint(path_or_root, read=_read_trainer_state_text)
+    ckpt, marker, text = commit.agree_on_checkpoint(path_or_root, read=_read_small_files)
     ts_path = ckpt / TRAINER_STATE
     try:
         ts = from_json(json.loads(text))

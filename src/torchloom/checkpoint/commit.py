@@ -36,6 +36,7 @@ back from disk is ever unpickled here (the marker is JSON).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -48,6 +49,8 @@ from typing import Any, Callable, Iterable
 import torch.distributed as dist
 
 from torchloom.errors import CheckpointError
+
+_log = logging.getLogger("torchloom.checkpoint")
 
 MARKER = "COMPLETE"
 MARKER_FORMAT = "torchloom.checkpoint.marker/1"
@@ -510,14 +513,39 @@ def finish_save(
 def agree_on_checkpoint(path_or_root: str | os.PathLike,
                         read: Callable[[Path], Any] | None = None) -> tuple[Path, Marker, Any]:
     """Collective. Rank 0 :func:`resolve` s ``path_or_root`` (verifying the marker and file sizes) and,
-    if given, runs ``read(path)`` (e.g. reads small metadata); every rank gets ``(path, marker, read
-    result)`` so all ranks load the same checkpoint. Errors are raised on every rank."""
+    if given, runs ``read(path)`` (e.g. reads and validates small metadata); every rank gets ``(path,
+    marker, read result)`` so all ranks load the same checkpoint. Errors are raised on every rank.
+
+    Given a root, a complete checkpoint whose ``read`` raises :class:`CheckpointError` (a corrupt file of
+    unchanged size) is skipped like a torn one: the next older usable checkpoint is chosen, and each
+    skipped checkpoint is logged as a warning with the reason (naming the file).
+
+    Raises:
+        CheckpointError: a checkpoint directory that is incomplete or unreadable (naming the file), or a
+            root without a usable checkpoint (listing why each was skipped).
+    """
 
     def _decide():
-        p = resolve(path_or_root)
-        marker = verify(p)
-        extra = read(p) if read is not None else None
-        return str(p), marker, extra
+        p = Path(path_or_root)
+        if not p.exists() or is_checkpoint_dir(p):
+            p = resolve(p)
+            marker = verify(p)
+            extra = read(p) if read is not None else None
+            return str(p), marker, extra
+        skipped: list[str] = []
+        for _step, cand in reversed(list_checkpoints(p)):
+            try:
+                marker = verify(cand)
+                extra = read(cand) if read is not None else None
+            except CheckpointError as e:
+                skipped.append(f"{cand.name}: {e}")
+                continue
+            if skipped:
+                _log.warning("checkpoint root %s: skipped %d unusable checkpoint(s) (%s); loading %s",
+                             p, len(skipped), "; ".join(skipped), cand)
+            return str(cand), marker, extra
+        why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+        raise CheckpointError(f"no complete checkpoint under {p}{why}")
 
     p, marker, extra = broadcast_from_rank0(_decide)
     return Path(p), marker, extra

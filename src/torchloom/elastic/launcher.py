@@ -135,12 +135,94 @@ def failure_exit_code(exitcode: int | None) -> int:
     return exitcode if exitcode > 0 else 1
 
 
+def describe_exit(exitcode: int | None) -> str:
+    """``exit code 3`` / ``killed by SIGKILL (signal 9)`` for a worker's exit status."""
+    import signal as _signal
+
+    if exitcode is None:
+        return "unknown exit status"
+    if exitcode < 0:
+        try:
+            name = _signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"killed by {name} (signal {-exitcode})"
+    return f"exit code {exitcode}"
+
+
+class RestartLog:
+    """Logs each failed worker group (which ranks, exit code or signal) and counts the restarts.
+
+    Installed around torchrun's elastic agent by :func:`launch` (it wraps the agent's
+    ``_monitor_workers``); lines start with ``[loom] restart``/``[loom] failure``.
+    """
+
+    def __init__(self) -> None:
+        self.failures = 0  # failed worker groups seen by this agent
+        self.restarts = 0  # of which were restarted
+
+    def observe(self, agent, result) -> None:
+        from torch.distributed.elastic.agent.server.api import WorkerState
+
+        if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            return
+        self.failures += 1
+        causes = "; ".join(f"global rank {r} (pid {f.pid}) {describe_exit(f.exitcode)}"
+                           for r, f in sorted(result.failures.items())) or result.state.name.lower()
+        spec = agent._worker_group.spec
+        left = agent._remaining_restarts
+        if left > 0:
+            self.restarts += 1
+            print(f"[loom] restart {spec.max_restarts - left + 1}/{spec.max_restarts}: worker group failed: "
+                  f"{causes}", file=sys.stderr, flush=True)
+        else:
+            print(f"[loom] failure: worker group failed and the restart budget ({spec.max_restarts}) is "
+                  f"spent: {causes}", file=sys.stderr, flush=True)
+
+    def install(self):
+        """Patch the agent class; returns a function that undoes it."""
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+        original = LocalElasticAgent._monitor_workers
+        log = self
+
+        def _monitor_workers(agent, worker_group):
+            result = original(agent, worker_group)
+            try:
+                log.observe(agent, result)
+            except Exception as e:  # noqa: BLE001 - logging must never break the agent
+                print(f"[loom] warning: could not log a worker failure: {e}", file=sys.stderr, flush=True)
+            return result
+
+        LocalElasticAgent._monitor_workers = _monitor_workers
+
+        def undo() -> None:
+            LocalElasticAgent._monitor_workers = original
+
+        return undo
+
+
 def launch(run_args: list[str]) -> int:
-    """Run ``torch.distributed.run`` with ``run_args`` in this process; return the job's exit code."""
+    """Run ``torch.distributed.run`` with ``run_args`` in this process; return the job's exit code.
+
+    Every failed worker group is logged with its cause (rank, exit code or signal); a job that restarted
+    ends with ``[loom] restarts: N`` (N = worker-group restarts done by this node's agent)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    restarts = RestartLog()
+    undo = restarts.install()
+    try:
+        return _launch(torchrun, run_args, SignalException, ChildFailedError)
+    finally:
+        undo()
+        if restarts.failures:
+            print(f"[loom] restarts: {restarts.restarts} (worker-group failures: {restarts.failures})",
+                  file=sys.stderr, flush=True)
+
+
+def _launch(torchrun, run_args, SignalException, ChildFailedError) -> int:  # noqa: N803
     try:
         torchrun.main(run_args)
         return 0

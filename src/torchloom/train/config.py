@@ -83,10 +83,17 @@ class OptimConfig:
 @dataclass
 class CheckpointConfig:
     """interval: save every N optimizer steps (0 = only at the end). keep_last: newest checkpoints kept
-    (None = all)."""
+    (None = all). blocking: false = flash checkpoints (docs/flash_checkpoint.md): saves copy the state
+    to shared memory and a background saver writes them to disk. memory_interval: with blocking false,
+    also take an in-memory snapshot every N steps (0 = none; a restart after a crash resumes from it).
+    on_busy: a flash save requested while the previous one is still being written waits ("wait") or is
+    skipped and logged ("skip")."""
 
     interval: int = 100
     keep_last: int | None = 2
+    blocking: bool = True
+    memory_interval: int = 0
+    on_busy: str = "wait"
 
 
 @dataclass
@@ -102,10 +109,25 @@ class EvalConfig:
 
 @dataclass
 class LogConfig:
-    """interval: write a metrics record every N steps. progress: tqdm bar on rank 0."""
+    """interval: write a metrics record every N steps. progress: tqdm bar on rank 0. sample_ids: add the
+    global sample indices each rank consumed since the previous record to it (``sample_ids``, one list per
+    rank; needs ``data.num_workers: 0``), so tests can check that no sample is skipped or repeated."""
 
     interval: int = 1
     progress: bool = True
+    sample_ids: bool = False
+
+
+@dataclass
+class WatchdogConfig:
+    """Hang watchdog (docs/health.md): when no optimizer step completes within ``timeout_s`` seconds
+    (``first_step_timeout_s`` from the start of training, which includes resuming and the first held-out
+    evaluation), the rank dumps its thread stacks and last collectives to stderr and
+    ``<output_dir>/watchdog/`` and exits with code 124, so the launcher restarts the group.
+    ``timeout_s: 0`` turns it off."""
+
+    timeout_s: float = 600.0
+    first_step_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -132,6 +154,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     output_dir: str = "runs/shakespeare"
 
     # -------------------------------------------------------------------------------------------------
@@ -192,6 +215,9 @@ class TrainConfig:
             raise ConfigError(f"train.max_grad_norm={t.max_grad_norm} must be > 0 or null.")
         if self.checkpoint.interval < 0 or self.eval.interval < 0:
             raise ConfigError("checkpoint.interval and eval.interval must be >= 0 (0 = only at the end).")
+        if self.checkpoint.memory_interval < 0 or self.checkpoint.on_busy not in ("wait", "skip"):
+            raise ConfigError(f"checkpoint.memory_interval={self.checkpoint.memory_interval} must be >= 0 (0 = "
+                              f"off) and checkpoint.on_busy={self.checkpoint.on_busy!r} one of 'wait', 'skip'.")
         if self.checkpoint.keep_last is not None and self.checkpoint.keep_last < 1:
             raise ConfigError(f"checkpoint.keep_last={self.checkpoint.keep_last} must be >= 1 or null.")
         if self.eval.batches is not None and self.eval.batches < 1:
@@ -202,6 +228,9 @@ class TrainConfig:
             raise ConfigError(f"data.num_workers={self.data.num_workers} must be >= 0.")
         if self.sample.max_new_tokens < 0 or self.sample.top_k < 0 or not self.sample.temperature > 0:
             raise ConfigError("sample.max_new_tokens and sample.top_k must be >= 0 and sample.temperature > 0.")
+        if self.watchdog.timeout_s < 0 or self.watchdog.first_step_timeout_s <= 0:
+            raise ConfigError(f"watchdog.timeout_s={self.watchdog.timeout_s} must be >= 0 (0 = off) and "
+                              f"watchdog.first_step_timeout_s={self.watchdog.first_step_timeout_s} > 0 (seconds).")
         if not self.output_dir:
             raise ConfigError("output_dir must not be empty.")
         from ..strategy.strategy import Strategy

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .config import ConfigError, TrainConfig
+from .dataset import TokenWindows
 
 _PREFIX = "[loom]"
 
@@ -78,6 +79,24 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float):
     return f
 
 
+class RecordingWindows(TokenWindows):
+    """:class:`TokenWindows` that remembers the indices it was asked for (``log.sample_ids``); in-process
+    loading only (``num_workers: 0``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen: list[int] = []
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        self.seen.append(int(i))
+        return super().__getitem__(i)
+
+    def take(self) -> list[int]:
+        """The indices fetched since the last call, in fetch order."""
+        out, self.seen = self.seen, []
+        return out
+
+
 # ------------------------------------------------------------------------------------------ job
 class Job:
     """One run of the training job on this rank (state shared by the loop, eval, checkpointing)."""
@@ -87,6 +106,7 @@ class Job:
         self.max_steps_this_run = max_steps_this_run
         self.t_start = time.perf_counter()
         self.pbar = None
+        self.flash = None  # a FlashCheckpointer when checkpoint.blocking is false (set in train)
 
     # -- output ---------------------------------------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -111,10 +131,23 @@ class Job:
         from .metrics import PeakMemory, matmul_params, peak_flops
 
         cfg = self.cfg
+        if cfg.watchdog.timeout_s:
+            from torchloom.elastic.watchdog import enable_flight_recorder
+
+            enable_flight_recorder()  # the watchdog's dump names the last collective; before the group exists
         self.device = init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.out = Path(cfg.output_dir).resolve()
         self.ckpt_root = self.out / "checkpoints"
+        from torchloom.elastic.faults import FaultInjector, restart_attempt
+
+        from .goodput import GoodputLog
+
+        self.attempt = restart_attempt()
+        self.faults = FaultInjector(self.rank, attempt=self.attempt)
+        self.goodput = GoodputLog(self.out / "goodput.jsonl", enabled=self.rank == 0)
+        if self.attempt:
+            self.log(f"restart attempt {self.attempt} (TORCHELASTIC_RESTART_COUNT)")
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             import yaml
@@ -128,7 +161,10 @@ class Job:
         self.log(f"corpus: {len(c.train_plays)} training texts, {c.train_ids.numel():,} tokens; held out "
                  f"{c.eval_plays}: {c.eval_ids.numel():,} tokens; vocab {c.vocab_size} ({c.cache_dir})")
         seq = cfg.model.seq_len
-        self.train_ds = TokenWindows(c.train_ids, seq)
+        if cfg.log.sample_ids and cfg.data.num_workers:
+            raise ConfigError("log.sample_ids needs data.num_workers: 0 (the ids are recorded in this process); "
+                              f"got data.num_workers={cfg.data.num_workers}")
+        self.train_ds = (RecordingWindows if cfg.log.sample_ids else TokenWindows)(c.train_ids, seq)
         self.eval_ds = TokenWindows(c.eval_ids, seq)
 
         model = build_model(cfg.model, c.vocab_size, c.eos_id, cfg.train.seed)
@@ -199,37 +235,56 @@ class Job:
         return float(t[0] / t[1])
 
     # -- checkpoints ----------------------------------------------------------------------------------
-    def save(self, step: int) -> Path:
+    def save(self, step: int, persist: bool = True) -> Path | None:
         from torchloom import checkpoint
 
         res = self.res
         t = time.perf_counter()
+        if self.flash is not None:  # checkpoint.blocking: false -> flash checkpoint (background write)
+            done = self.flash.save(step, persist=persist, extra={
+                "tokens_seen": self.tokens_seen, "train_time_s": self.train_time,
+                "initial_eval_loss": self.initial_eval_loss, "last_eval_loss": self.last_eval_loss})
+            stall = time.perf_counter() - t
+            self.goodput.event("save", attempt=self.attempt, step=step, stall_s=stall)
+            what = "flash checkpoint" if persist else "in-memory snapshot"
+            self.log(f"{what} step {step}: training blocked {stall:.2f} s"
+                     + ("" if done else f" (skipped: the saver is busy, on_busy={self.cfg.checkpoint.on_busy})"))
+            return None
         path = checkpoint.save(
             self.ckpt_root, step=step, model=res.model, optimizer=res.optimizer, lr_scheduler=res.lr_scheduler,
             dataloader=res.dataloader, train_step=res.train_step, keep_last=self.cfg.checkpoint.keep_last,
             extra={"tokens_seen": self.tokens_seen, "train_time_s": self.train_time,
                    "initial_eval_loss": self.initial_eval_loss, "last_eval_loss": self.last_eval_loss},
         )
-        self.log(f"checkpoint step {step} -> {path} ({time.perf_counter() - t:.1f} s)")
+        stall = time.perf_counter() - t
+        self.goodput.event("save", attempt=self.attempt, step=step, stall_s=stall)
+        self.log(f"checkpoint step {step} -> {path} ({stall:.1f} s)")
         return path
 
     def maybe_resume(self) -> int:
         from torchloom import checkpoint
 
-        latest = [checkpoint.latest_complete(self.ckpt_root) if self.rank == 0 else None]
-        dist.broadcast_object_list(latest, src=0)
-        if latest[0] is None:
-            if self.rank == 0:
-                from torchloom.checkpoint import commit
-
-                torn = [p.name for _, p in commit.list_checkpoints(self.ckpt_root)]
-                if torn:
-                    self.log(f"warning: no complete checkpoint in {self.ckpt_root} (incomplete: {torn}); "
-                             "starting from step 0")
-            return 0
         res = self.res
-        info = checkpoint.load(latest[0], model=res.model, optimizer=res.optimizer,
-                               lr_scheduler=res.lr_scheduler, dataloader=res.dataloader, train_step=res.train_step)
+        if self.flash is not None:  # the newest in-memory snapshot all ranks hold, else the newest on disk
+            info = self.flash.load()
+            if info is None:
+                return 0
+        else:
+            latest = [checkpoint.latest_complete(self.ckpt_root) if self.rank == 0 else None]
+            dist.broadcast_object_list(latest, src=0)
+            if latest[0] is None:
+                if self.rank == 0:
+                    from torchloom.checkpoint import commit
+
+                    torn = [p.name for _, p in commit.list_checkpoints(self.ckpt_root)]
+                    if torn:
+                        self.log(f"warning: no complete checkpoint in {self.ckpt_root} (incomplete: {torn}); "
+                                 "starting from step 0")
+                return 0
+            # the root, not latest[0]: a complete checkpoint with a corrupt trainer state/DCP metadata is skipped
+            info = checkpoint.load(self.ckpt_root, model=res.model, optimizer=res.optimizer,
+                                   lr_scheduler=res.lr_scheduler, dataloader=res.dataloader,
+                                   train_step=res.train_step)
         step = int(info["step"])
         extra = info.get("extra") or {}
         self.tokens_seen = int(extra.get("tokens_seen", step * self.tokens_per_step))
@@ -248,7 +303,34 @@ class Job:
         cfg, res = self.cfg, self.res
         self.tokens_seen, self.train_time = 0, 0.0
         self.initial_eval_loss = self.last_eval_loss = None
+        self.watchdog = None
+        if cfg.watchdog.timeout_s:
+            from torchloom.elastic.watchdog import Watchdog
+
+            self.watchdog = Watchdog(cfg.watchdog.timeout_s, cfg.watchdog.first_step_timeout_s,
+                                     dump_dir=self.out / "watchdog", rank=self.rank).start()
+        self.flash = None
+        if not cfg.checkpoint.blocking:
+            from torchloom.checkpoint.flash import FlashCheckpointer
+
+            self.flash = FlashCheckpointer(
+                self.ckpt_root, model=res.model, optimizer=res.optimizer, lr_scheduler=res.lr_scheduler,
+                dataloader=res.dataloader, train_step=res.train_step, keep_last=cfg.checkpoint.keep_last,
+                on_busy=cfg.checkpoint.on_busy)
         start = self.maybe_resume()
+        agreed = [start] * self.world
+        dist.all_gather_object(agreed, start)
+        if len(set(agreed)) != 1:
+            raise RuntimeError(f"ranks resumed from different steps {agreed}: the checkpoint directory "
+                               f"{self.ckpt_root} must be one shared path that every rank sees")
+        if self.rank == 0:
+            from .goodput import lost_work, process_start_time
+
+            lost = lost_work(self.out / "metrics.jsonl", start, cfg.log.interval) if start or self.attempt \
+                else {"steps": 0, "time_s": 0.0, "last_t": None}
+            self.goodput.event("start", attempt=self.attempt, t_process=process_start_time(), resumed_step=start,
+                               train_time_s=self.train_time, lost_steps=lost["steps"], lost_time_s=lost["time_s"],
+                               last_t=lost["last_t"])
         writer = MetricsWriter(self.out / "metrics.jsonl", enabled=self.rank == 0)
         if self.rank == 0:
             if start == 0:
@@ -275,6 +357,8 @@ class Job:
         self.pbar = tqdm(total=total, initial=start, disable=not (self.rank == 0 and cfg.log.progress),
                          dynamic_ncols=True, desc="train", unit="step", file=sys.stderr)
         self.mem.reset()
+        if cfg.log.sample_ids:
+            self.train_ds.take()  # drop fetches made during set-up
         t_prev = time.perf_counter()
         lr = res.optimizer.param_groups[0]["lr"]
         try:
@@ -288,6 +372,9 @@ class Job:
                     micro = 0
                     step += 1
                     dt = time.perf_counter() - t_prev
+                    self.faults.after_step(step)
+                    if step == start + 1:
+                        self.goodput.event("first_step", attempt=self.attempt, step=step)
                     self.tokens_seen += self.tokens_per_step
                     if step % cfg.log.interval == 0 or step == stop_at:
                         stats = torch.tensor([loss_acc / accum, float(self.mem.read()), dt], dtype=torch.float64)
@@ -309,7 +396,12 @@ class Job:
                             "mfu": mfu, "flops_per_token": self.flops_per_token,
                             "peak_flops": self.peak_flops, "peak_flops_source": self.peak_flops_source,
                             "world_size": self.world, "skipped": bool(ts.last_step_skipped),
+                            "t": time.time(), "attempt": self.attempt,
                         }
+                        if cfg.log.sample_ids:
+                            ids = [None] * self.world
+                            dist.all_gather_object(ids, self.train_ds.take())
+                            rec["sample_ids"] = ids
                         writer.write(rec)
                         self.pbar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
                     run_tokens += self.tokens_per_step
@@ -324,12 +416,19 @@ class Job:
                     if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < total:
                         self.save(step)
                         last_saved = step
+                    elif (self.flash is not None and cfg.checkpoint.memory_interval
+                          and step % cfg.checkpoint.memory_interval == 0 and step < total):
+                        self.save(step, persist=False)
+                    if self.watchdog is not None:
+                        self.watchdog.beat(step)
                     if step >= stop_at:
                         break
                     self.mem.reset()
                     lr = res.optimizer.param_groups[0]["lr"]
                     t_prev = time.perf_counter()
         finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()  # the final evaluation, save and export are not steps
             self.pbar.close()
             self.pbar = None
         run = {"start_step": start, "end_step": step, "tokens": run_tokens, "time_s": run_time,
@@ -346,6 +445,8 @@ class Job:
         step, total = run["end_step"], cfg.train.steps
         if step < total:
             writer.close()
+            if self.flash is not None:
+                self.flash.finalize(unlink=False)  # finish the save in flight; keep the snapshots for a resume
             self.log(f"stopped after step {step} of {total} (--max-steps-this-run); re-run with the same "
                      f"output dir to resume from the latest checkpoint (step {run['last_saved']})")
             return None
@@ -356,6 +457,8 @@ class Job:
         self.last_eval_loss = final
         if run["last_saved"] < step or not (self.ckpt_root / f"step_{step:08d}").exists():
             self.save(step)
+        if self.flash is not None:
+            self.flash.finalize()  # the final checkpoint is committed before the job ends
         weights = checkpoint.export_safetensors(self.res.model, self.out / "model.safetensors")
         sample = None
         if self.rank == 0:
@@ -374,7 +477,12 @@ class Job:
             "peak_flops_source": self.peak_flops_source, "world_size": self.world, "strategy": cfg.strategy,
             "params": self.n_params, "tokens_per_step": self.tokens_per_step, "sample": sample,
             "weights": str(weights), "checkpoints": str(self.ckpt_root),
+            "restarts": self.attempt,
         }
+        if self.rank == 0:
+            from .goodput import summarize
+
+            summary["goodput"] = summarize(self.goodput.read(), time.time(), self.train_time)
         trained = step > run["start_step"]
         if self.rank == 0 and not trained and (self.out / "summary.json").exists():
             # a re-run of a finished job: keep the measured numbers of the run that trained

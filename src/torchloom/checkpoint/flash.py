@@ -1,0 +1,494 @@
+"""Flash checkpoints: the training process copies its (sharded) state into preallocated shared memory
+and returns; a saver process per rank persists it to disk in the background (DCP format, same layout
+and commit protocol as :func:`torchloom.checkpoint.save`). See ``docs/flash_checkpoint.md``.
+
+Two tiers: every ``save(step)`` takes an in-memory snapshot (double-buffered, reused); ``save(step,
+persist=True)`` also has the savers write it to ``<root>/step_XXXXXXXX``. The savers run in their own
+sessions: if the training process dies, they persist the newest snapshot every rank holds. On restart
+:meth:`FlashCheckpointer.load` prefers the newest in-memory snapshot (all ranks hold it, same world size,
+newer than the disk), else the newest complete disk checkpoint.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from torchloom.checkpoint import commit
+from torchloom.checkpoint.shm import Slot, complete_steps
+from torchloom.checkpoint.state import (
+    capture_rng,
+    clear_optimizer_state,
+    dcp_state,
+    from_json,
+    is_zero_optimizer,
+    optimizer_state_is_empty,
+    restore_rng,
+    tied_groups,
+    to_json,
+)
+from torchloom.errors import CheckpointError
+
+log = logging.getLogger("torchloom.checkpoint.flash")
+ON_BUSY = ("wait", "skip")
+
+
+# --------------------------------------------------------------------------- flatten / rebuild state
+def _encode_layout(t: torch.Tensor) -> dict | None:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor):
+        return None
+    placements = []
+    for p in t.placements:
+        if isinstance(p, Shard):
+            placements.append(["S", p.dim])
+        elif isinstance(p, Replicate):
+            placements.append(["R"])
+        else:
+            raise CheckpointError(f"flash checkpoints cannot store a DTensor with placement {p!r} (only Shard "
+                                  f"and Replicate); use torchloom.checkpoint.save for this state")
+    mesh = t.device_mesh
+    return {"mesh": mesh.mesh.tolist(), "dims": list(mesh.mesh_dim_names or []), "placements": placements,
+            "shape": list(t.shape), "stride": list(t.stride())}
+
+
+_MESHES: dict[str, Any] = {}
+
+
+def _decode(local: torch.Tensor, layout: dict | None) -> torch.Tensor:
+    if layout is None:
+        return local
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    key = json.dumps([layout["mesh"], layout["dims"]])
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh("cpu", torch.tensor(layout["mesh"]), mesh_dim_names=tuple(layout["dims"]) or None)
+    placements = [Shard(p[1]) if p[0] == "S" else Replicate() for p in layout["placements"]]
+    return DTensor.from_local(local, _MESHES[key], placements, run_check=False,
+                              shape=torch.Size(layout["shape"]), stride=tuple(layout["stride"]))
+
+
+def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DCP's flattening of a nested state dict: ``(flat, mapping)``."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(state)
+
+
+def rebuild_state(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> dict[str, Any]:
+    """The nested state dict of a snapshot: its tensors (DTensors rebuilt from their recorded layout, in
+    the current process group) and non-tensor values. Collective when the state holds DTensors."""
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+    flat: dict[str, Any] = dict(from_json(header["objects"]))
+    for e in header["entries"]:
+        flat[e["key"]] = _decode(tensors[e["key"]], e["dtensor"])
+    mapping = {k: tuple(v) for k, v in from_json(header["mapping"]).items()}
+    return unflatten_state_dict(flat, mapping)
+
+
+# ------------------------------------------------------------------------------------- the object
+def _default_shm_root() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return b"torchloom.checkpoint.saver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+
+
+class FlashCheckpointer:
+    """Non-blocking two-tier checkpoints of one training state. Construct and use on every rank.
+
+    Args:
+        root: checkpoint root (the same as for :func:`torchloom.checkpoint.save`; shared by all ranks).
+        model, optimizer, lr_scheduler, dataloader, train_step: as for :func:`~torchloom.checkpoint.save`
+            (``ZeroRedundancyOptimizer`` is not supported: use the synchronous ``save``).
+        keep_last: retention of complete disk checkpoints (the newest complete one is never deleted).
+        on_busy: what :meth:`save` does when the slot it needs is still being persisted: ``"wait"``
+            blocks until the saver is done, ``"skip"`` skips this save (logged; counted in ``skipped``).
+        shm_dir: where the per-rank snapshot directories live (default ``/dev/shm/torchloom-<hash of
+            root>``; node-local memory, so a restart on the same node finds them).
+        saver_timeout_s: seconds the savers' process group waits for a peer, and the longest a new
+            checkpointer waits for the savers of a previous (crashed) run to finish.
+
+    Raises:
+        CheckpointError: invalid arguments, a ZeRO optimizer, or a saver that failed or died.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, model: nn.Module, optimizer: Any = None,
+                 lr_scheduler: Any = None, dataloader: Any = None, train_step: Any = None,
+                 keep_last: int | None = None, on_busy: str = "wait", shm_dir: str | os.PathLike | None = None,
+                 saver_timeout_s: float = 300.0):
+        if on_busy not in ON_BUSY:
+            raise CheckpointError(f"on_busy must be one of {ON_BUSY}, got {on_busy!r}")
+        if optimizer is not None and is_zero_optimizer(optimizer):
+            raise CheckpointError("flash checkpoints do not support ZeroRedundancyOptimizer; use "
+                                  "torchloom.checkpoint.save (blocking) or FSDP (zero2/zero3)")
+        if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+            raise CheckpointError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+        self.root = Path(root).resolve()
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.dataloader, self.train_step = dataloader, train_step
+        self.keep_last, self.on_busy, self.saver_timeout_s = keep_last, on_busy, saver_timeout_s
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        tag = hashlib.sha1(str(self.root).encode()).hexdigest()[:12]
+        base = Path(shm_dir) if shm_dir is not None else _default_shm_root() / f"torchloom-{os.getuid()}-{tag}"
+        self.slot_dir = base / f"rank{self.rank}"
+        self.slots = [Slot(self.slot_dir, 0), Slot(self.slot_dir, 1)]
+        self.skipped = 0
+        self.blocking_s: list[float] = []  # seconds each save blocked the training loop
+        self._newest_slot: int | None = None
+        self._inflight: tuple[int, int] | None = None  # (slot, step) being persisted
+        self._replies: queue.Queue = queue.Queue()
+        self._errors: list[str] = []
+        self._proc: subprocess.Popen | None = None
+        self._wait_for_old_saver()
+        steps = complete_steps(self.slot_dir)
+        if steps:
+            self._newest_slot = steps[max(steps)]
+
+    # -- the saver process ------------------------------------------------------------------------
+    def _wait_for_old_saver(self) -> None:
+        """A saver of a previous run may still be persisting this rank's snapshot: wait for it (bounded)."""
+        pid_file = self.slot_dir / "saver.pid"
+        deadline = time.monotonic() + self.saver_timeout_s
+        while True:
+            try:
+                pid = int(pid_file.read_text())
+            except (OSError, ValueError):
+                return
+            if not _pid_alive(pid):
+                return
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"the flash saver of a previous run (pid {pid}, {pid_file}) is still running after "
+                    f"{self.saver_timeout_s:.0f} s; kill it or raise saver_timeout_s")
+            time.sleep(0.05)
+
+    def _start_saver(self) -> None:
+        if self._proc is not None:
+            return
+        port = [_free_port() if self.rank == 0 else None]
+        if self.world > 1:
+            dist.broadcast_object_list(port, src=0)
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        args = {"slot_dir": str(self.slot_dir), "root": str(self.root), "keep_last": self.keep_last,
+                "rank": self.rank, "world": self.world, "host": host, "port": port[0],
+                "timeout_s": self.saver_timeout_s}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "TORCH_NCCL"))}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        src = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "torchloom.checkpoint.saver", json.dumps(args)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        proc = self._proc
+
+        def _read() -> None:
+            for line in proc.stdout:
+                try:
+                    self._replies.put(json.loads(line))
+                except ValueError:
+                    pass
+            self._replies.put(None)  # the saver is gone
+
+        threading.Thread(target=_read, daemon=True, name="loom-flash-replies").start()
+
+    def _send(self, msg: dict) -> None:
+        try:
+            self._proc.stdin.write(json.dumps(msg) + "\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise CheckpointError(f"the flash saver of rank {self.rank} died (exit code {self._proc.poll()}); "
+                                  f"see its stderr above") from e
+
+    def _collect(self, block: bool, timeout: float | None = None) -> None:
+        """Take the saver's reply to the in-flight persist (waiting if ``block``)."""
+        while self._inflight is not None:
+            try:
+                r = self._replies.get(block=block, timeout=timeout)
+            except queue.Empty:
+                if block:
+                    raise CheckpointError(f"the flash saver of rank {self.rank} did not finish step "
+                                          f"{self._inflight[1]} within {timeout} s") from None
+                return
+            step = self._inflight[1]
+            self._inflight = None
+            if r is None:
+                raise CheckpointError(f"the flash saver of rank {self.rank} died while persisting step {step} "
+                                      f"(exit code {self._proc.poll()}); the previous complete checkpoint "
+                                      f"under {self.root} stays the newest")
+            if not r.get("ok"):
+                self._errors.append(r.get("error", "?"))
+                raise CheckpointError(f"flash checkpoint of step {step} failed: {r.get('error')}")
+            self.last_persisted = Path(r["path"])
+            log.info("flash checkpoint step %d persisted to %s", step, r["path"])
+
+    def _busy(self, slot: int, persist: bool) -> bool:
+        """Whether this save must wait (agreed across ranks, so all ranks decide the same)."""
+        self._collect(block=False)
+        busy = self._inflight is not None and (persist or self._inflight[0] == slot)
+        if self.world > 1:
+            t = torch.tensor([int(busy)])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            busy = bool(t.item())
+        return busy
+
+    # -- saving -----------------------------------------------------------------------------------
+    def save(self, step: int, *, persist: bool = True, extra: dict | None = None,
+             scaler_state: dict | None = None) -> bool:
+        """Snapshot the state of ``step`` into host memory and return; with ``persist`` the savers also
+        write it to ``<root>/step_XXXXXXXX`` in the background. Collective.
+
+        Returns ``False`` if the save was skipped (``on_busy="skip"`` while the saver was busy), else
+        ``True``. The time this call blocked (seconds) is appended to ``blocking_s``.
+
+        Raises:
+            CheckpointError: a previous background save failed, or the saver died.
+        """
+        commit.step_dirname(step)
+        t0 = time.perf_counter()
+        if persist:
+            self._start_saver()
+        slot = 0 if self._newest_slot is None else 1 - self._newest_slot
+        if self._busy(slot, persist):
+            if self.on_busy == "skip":
+                self.skipped += 1
+                msg = (f"flash checkpoint of step {step} skipped: step {self._inflight[1] if self._inflight else '?'} "
+                       f"is still being persisted (on_busy='skip')")
+                log.warning(msg)
+                if self.rank == 0:
+                    print(f"[loom] {msg}", flush=True)
+                return False
+            self._collect(block=True, timeout=self.saver_timeout_s)
+            if self.world > 1:  # every rank's previous persist is done before the slot is reused
+                dist.barrier()
+        self._snapshot(self.slots[slot], step, extra, scaler_state)
+        self._newest_slot = slot
+        if persist:
+            self._send({"op": "persist", "slot": slot, "step": step})
+            self._inflight = (slot, step)
+        self.blocking_s.append(time.perf_counter() - t0)
+        return True
+
+    def _snapshot(self, slot: Slot, step: int, extra: dict | None, scaler_state: dict | None) -> None:
+        opt_empty = self.optimizer is not None and optimizer_state_is_empty(self.optimizer)
+        try:
+            state = dcp_state(self.model, self.optimizer)
+            flat, mapping = flatten(state)
+            tensors, objects = [], {}
+            for k, v in flat.items():
+                if isinstance(v, torch.Tensor):
+                    layout = _encode_layout(v)
+                    local = v.to_local() if layout is not None else v
+                    tensors.append((k, local, layout))  # copied straight into shared memory (device -> host)
+                else:
+                    objects[k] = v
+            ts = self._trainer_state(step, extra, scaler_state, opt_empty)
+            header = {"step": step, "rank": self.rank, "world_size": self.world, "time": time.time(),
+                      "objects": to_json(objects, "optimizer/model non-tensor state"),
+                      "mapping": to_json({k: list(v) for k, v in mapping.items()}),
+                      "trainer_state_text": json.dumps(ts, indent=1, allow_nan=False),
+                      "optimizer_state_empty": opt_empty}
+            slot.write(tensors, header, capture_rng())
+            other = self.slots[1 - slot.index]
+            if other._buf is None or other._buf.numel() < slot.last_nbytes:
+                other.reserve(slot.last_nbytes)  # both buffers are allocated by the first save, not later ones
+        finally:
+            if opt_empty:
+                clear_optimizer_state(self.optimizer)
+
+    def _trainer_state(self, step: int, extra: dict | None, scaler_state: dict | None, opt_empty: bool) -> dict:
+        from torchloom.checkpoint.api import TRAINER_STATE_FORMAT
+
+        def enc(obj, what):
+            return to_json(obj.state_dict(), what) if obj is not None else None
+
+        dl = enc(self.dataloader, "dataloader.state_dict()")
+        dls = [dl]
+        if self.dataloader is not None and self.world > 1:
+            dls = [None] * self.world
+            dist.all_gather_object(dls, dl)
+        ts = {
+            "format": TRAINER_STATE_FORMAT, "step": step, "world_size": self.world,
+            "torch_version": torch.__version__, "optimizer": None if self.optimizer is None else "dsd",
+            "optimizer_state_empty": opt_empty,
+            "lr_scheduler": enc(self.lr_scheduler, "lr_scheduler.state_dict()"),
+            "scaler_state": to_json(scaler_state, "scaler_state") if scaler_state is not None else None,
+            "train_step": enc(self.train_step, "train_step.state_dict()"),
+            "extra": to_json(dict(extra or {}), "extra"), "tied_params": tied_groups(self.model),
+        }
+        if self.dataloader is None:
+            ts["dataloader"] = None
+        elif all(s == dls[0] for s in dls):
+            ts["dataloader"] = dls[0]
+        else:
+            ts["dataloader"], ts["dataloader_per_rank"] = None, dls
+        return ts
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the in-flight background save (if any) is committed. Raises CheckpointError if it
+        failed. ``timeout`` in seconds (default ``saver_timeout_s``)."""
+        self._collect(block=True, timeout=timeout or self.saver_timeout_s)
+
+    def finalize(self, *, unlink: bool = True) -> None:
+        """End of training: finish the in-flight save, stop the saver, and (``unlink``) free the shared
+        memory. Collective. Call once, after the last :meth:`save`."""
+        err = None
+        try:
+            self.wait()
+        except CheckpointError as e:
+            err = e
+        if self._proc is not None:
+            try:
+                self._send({"op": "exit"})
+                self._proc.stdin.close()
+            except (CheckpointError, OSError):
+                pass
+            try:
+                self._proc.wait(timeout=self.saver_timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+            self._proc = None
+        if self.world > 1:
+            dist.barrier()
+        if unlink and err is None:
+            for s in self.slots:
+                for p in (s.header_path, s.data_path, s.rng_path):
+                    p.unlink(missing_ok=True)
+            for d in (self.slot_dir, self.slot_dir.parent):
+                try:
+                    d.rmdir()  # only if empty (other ranks may still own the parent)
+                except OSError:
+                    pass
+        if err is not None:
+            raise err
+
+    # -- loading ----------------------------------------------------------------------------------
+    def load(self, *, strict: bool = True) -> dict | None:
+        """Restore the newest state: the newest in-memory snapshot if every rank holds it for the same
+        step, the world size matches and it is at least as new as the newest complete disk checkpoint;
+        otherwise the newest complete disk checkpoint. Collective.
+
+        Returns ``{"step", "extra", "scaler_state", "path", "source": "memory" | "disk"}``, or ``None``
+        if there is nothing to resume from.
+
+        Raises:
+            CheckpointError: the snapshot does not match the live state (keys or local shapes), or the disk
+                checkpoint cannot be loaded (see :func:`torchloom.checkpoint.load`).
+        """
+        from torchloom.checkpoint import api
+
+        mine = {}
+        for s in self.slots:
+            h = s.header()
+            if h is not None and h.get("world_size") == self.world and h.get("rank") == self.rank:
+                mine[int(h["step"])] = s.index
+        everyone: list[Any] = [sorted(mine)]
+        if self.world > 1:
+            everyone = [None] * self.world
+            dist.all_gather_object(everyone, sorted(mine))
+        common = set(everyone[0]).intersection(*map(set, everyone[1:]))
+
+        def _disk() -> int:
+            p = commit.latest_complete(self.root)
+            return -1 if p is None else commit.parse_step(p)
+
+        disk = commit.broadcast_from_rank0(_disk)
+        if common and max(common) >= disk:
+            step = max(common)
+            info = self._load_memory(self.slots[mine[step]], strict)
+            self._newest_slot = mine[step]
+            return info
+        if disk < 0:
+            return None
+        info = api.load(self.root, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                        dataloader=self.dataloader, train_step=self.train_step, strict=strict)
+        info["source"] = "disk"
+        return info
+
+    def _load_memory(self, slot: Slot, strict: bool) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict, set_model_state_dict
+
+        header = slot.header()
+        snap = slot.read_tensors(header)
+        target = dcp_state(self.model, self.optimizer)
+        flat, mapping = flatten(target)
+        objects = from_json(header["objects"])
+        for k, v in flat.items():
+            if isinstance(v, torch.Tensor):
+                if k not in snap:
+                    if strict:
+                        raise CheckpointError(f"flash snapshot {slot.header_path} has no entry {k!r}")
+                    continue
+                local = v.to_local() if _encode_layout(v) is not None else v
+                if tuple(local.shape) != tuple(snap[k].shape):
+                    raise CheckpointError(f"flash snapshot {slot.header_path}: {k} has local shape "
+                                          f"{tuple(snap[k].shape)}, the live state {tuple(local.shape)}")
+                with torch.no_grad():
+                    local.copy_(snap[k])
+            elif k in objects:
+                flat[k] = objects[k]
+        from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+        state = unflatten_state_dict(flat, mapping)
+        opts = StateDictOptions(strict=strict)
+        if "optim" in state:
+            opt = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
+            set_state_dict(self.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=opts)
+        else:
+            set_model_state_dict(self.model, state["model"], options=opts)
+        if self.optimizer is not None and header.get("optimizer_state_empty"):
+            clear_optimizer_state(self.optimizer)
+        ts = from_json(json.loads(header["trainer_state_text"]))
+        if self.lr_scheduler is not None and ts.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(ts["lr_scheduler"])
+        if self.train_step is not None and ts.get("train_step") is not None:
+            self.train_step.load_state_dict(ts["train_step"])
+        if self.dataloader is not None:
+            st = ts.get("dataloader")
+            if st is None and ts.get("dataloader_per_rank"):
+                st = ts["dataloader_per_rank"][self.rank]
+            if st is not None:
+                self.dataloader.load_state_dict(st)
+        restore_rng(slot.read_rng())
+        if self.world > 1:
+            dist.barrier()
+        return {"step": int(header["step"]), "extra": ts.get("extra") or {}, "scaler_state": ts.get("scaler_state"),
+                "path": slot.header_path, "source": "memory"}
+
+
+__all__ = ["FlashCheckpointer", "ON_BUSY", "rebuild_state"]
