@@ -23,12 +23,17 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     return f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
 
 
+def distributed() -> bool:
+    """True when a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if distributed() else 0
 
 
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if distributed() else 1
 
 
 def local_rank() -> int:

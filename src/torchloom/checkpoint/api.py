@@ -36,23 +36,14 @@ from torchloom.checkpoint.state import (
     wrapper_components,
 )
 from torchloom.errors import CheckpointError
+from torchloom.utils import distributed as _distributed
+from torchloom.utils import rank as _rank
+from torchloom.utils import world_size as _world
 
 TRAINER_STATE = "trainer_state.json"
 TRAINER_STATE_FORMAT = "torchloom.checkpoint.trainer_state/1"
 RNG_DIR = "rng"
 _TIED_META = "torchloom.tied"
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if _distributed() else 1
 
 
 # ------------------------------------------------------------------------------------------- save

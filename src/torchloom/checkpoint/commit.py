@@ -49,6 +49,9 @@ from typing import Any, Callable, Iterable
 import torch.distributed as dist
 
 from torchloom.errors import CheckpointError
+from torchloom.utils import distributed as _distributed
+from torchloom.utils import rank as _rank
+from torchloom.utils import world_size as _world
 
 _log = logging.getLogger("torchloom.checkpoint")
 
@@ -409,18 +412,6 @@ def apply_retention(root: str | os.PathLike, keep_last: int | None, *,
 
 
 # ---------------------------------------------------------------------------------------- collectives
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist_on() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if _dist_on() else 1
-
-
 def broadcast_from_rank0(fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on rank 0 only and return its result on every rank; if it raises, every rank raises a
     :class:`CheckpointError` with rank 0's message (so no rank is left waiting in a collective)."""
@@ -430,7 +421,7 @@ def broadcast_from_rank0(fn: Callable[[], Any]) -> Any:
             payload[0] = ("ok", fn())
         except Exception as e:  # noqa: BLE001 - forwarded to every rank
             payload[0] = ("error", e if isinstance(e, CheckpointError) else CheckpointError(f"{type(e).__name__}: {e}"))
-    if _dist_on() and _world() > 1:
+    if _distributed() and _world() > 1:
         dist.broadcast_object_list(payload, src=0)
     status, value = payload[0]
     if status == "error":
@@ -447,7 +438,7 @@ def run_everywhere(fn: Callable[[], Any], what: str) -> Any:
     except Exception as e:  # noqa: BLE001 - forwarded to every rank
         err = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
         local_exc = e
-    if _dist_on() and _world() > 1:
+    if _distributed() and _world() > 1:
         errs: list[Any] = [None] * _world()
         dist.all_gather_object(errs, err)
     else:
