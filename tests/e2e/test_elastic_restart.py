@@ -18,20 +18,7 @@ from ._elastic_util import (REPO, assert_same_training, free_port, loom_cmd, loo
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
-STEPS = 12
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("corpus_cache")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache):
-    out = tmp_path_factory.mktemp("uninterrupted")
-    proc = train(out, cache, STEPS)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return out
+from .conftest import ELASTIC_STEPS as STEPS  # the shared reference run's length
 
 
 def fault_plan(seed: int, kills: int = 3) -> tuple[str, list[tuple[int, int]]]:

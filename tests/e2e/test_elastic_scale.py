@@ -23,11 +23,11 @@ import time
 
 import pytest
 
-from ._elastic_util import REPO, SMOKE, free_port, loom_cmd, loom_env, read_jsonl, train, train_records
+from ._elastic_util import REPO, SMOKE, free_port, loom_cmd, loom_env, read_jsonl, train_records
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
-STEPS = 12
+from .conftest import ELASTIC_STEPS as STEPS  # the shared reference run's length
 KILL_AT = 5  # B is killed once step 5 is recorded; checkpoints every 2 steps -> resume from 4 (or a later one)
 EVAL_RTOL = 1e-3  # relative, on the final held-out loss: observed ~1e-8 (see the module docstring)
 
@@ -88,19 +88,6 @@ def kill_group(p: subprocess.Popen) -> None:
             os.killpg(os.getpgid(pid), signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("corpus_cache")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache):
-    out = tmp_path_factory.mktemp("uninterrupted")
-    proc = train(out, cache, STEPS)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return out
 
 
 def test_scale_down_two_to_one_resumes_exactly(tmp_path, cache, reference):
