@@ -17,7 +17,7 @@ from .parallel.distributed import init_distributed
 from .parallel.materialize import materialize_meta_model
 from .parallel.mesh import ParallelDims, ParallelMesh
 from .strategy.strategy import Strategy, StrategyLike
-from .train_step import TrainStep, _output_loss, call_model
+from .train_step import TrainStep
 
 log = logging.getLogger("torchloom")
 
@@ -59,16 +59,9 @@ class AccelerateResult:
     notes: list[str] = field(default_factory=list)
 
     def forward_loss(self, batch: Any) -> torch.Tensor:
-        """Loss of one batch without backward (for evaluation); runs the model as ``train_step`` does."""
-        ts = self.train_step
-        batch = ts.prepare_input(batch, ts.device)
-        output = call_model(self.model, batch, ts.model_input_format)
-        out = ts.loss_func(batch, output) if ts.loss_func is not None else _output_loss(output)
-        from .train_step import SumLoss
-
-        if isinstance(out, SumLoss):
-            return out.total.detach().float() / max(float(out.count), 1.0)
-        return (out[0] if isinstance(out, (tuple, list)) else out).detach().float()
+        """Loss of one batch without backward (for evaluation); runs the model as ``train_step`` does.
+        See :meth:`TrainStep.eval_loss`."""
+        return self.train_step.eval_loss(batch)
 
 
 def auto_accelerate(
@@ -163,9 +156,11 @@ def auto_accelerate(
         ctx.model.to(device)
     for m in methods:
         m.apply(ctx)
+    for fn in ctx.post_apply:
+        fn(ctx)
 
     # 3. optimizer after sharding (it must see the sharded parameters), then optimizer-level methods
-    params = [p for p in ctx.model.parameters() if p.requires_grad]
+    params = list({id(p): p for part in ctx.model_parts for p in part.parameters() if p.requires_grad}.values())
     if not params:
         raise ValueError("the model has no trainable parameters (all have requires_grad=False).")
     ctx.optimizer = _build_optimizer(optim_func, params, optim_args or {})
@@ -182,7 +177,8 @@ def auto_accelerate(
         model=ctx.model, optimizer=ctx.optimizer, loss_func=loss_func, device=device, grad_accum_steps=accum,
         max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler, loss_scaler=ctx.loss_scaler,
         model_input_format=model_input_format, prepare_input=prepare_input,
-        dp_group=ctx.mesh.group("dp"), dp_size=ctx.mesh.dp_size,
+        dp_group=ctx.mesh.group("dp"), dp_size=ctx.mesh.dp_size, step_contexts=ctx.step_contexts,
+        grad_norm_groups=ctx.grad_norm_groups, pre_step_hooks=ctx.pre_step_hooks,
     )
     return AccelerateResult(
         model=ctx.model, optimizer=ctx.optimizer, dataloader=dataloader, loss_func=loss_func,

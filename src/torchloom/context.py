@@ -40,10 +40,32 @@ class AccelContext:
     data_parallel: str | None = None
     block_classes: list[str] | None = None
     on_meta: bool = False
+    #: local pipeline stage modules (None without pipeline parallel); see :attr:`model_parts`
+    parts: list[nn.Module] | None = None
+    #: callables run after every method's ``apply`` and before the optimizer is built
+    post_apply: list[Callable[["AccelContext"], None]] = field(default_factory=list)
     #: callables run after the optimizer exists, e.g. to register hooks
     post_optimizer: list[Callable[["AccelContext"], None]] = field(default_factory=list)
+    #: context-manager factories TrainStep enters around forward + loss + backward (e.g. ``loss_parallel``)
+    step_contexts: list[Callable[[], Any]] = field(default_factory=list)
+    #: extra process groups over which the global gradient norm is summed (disjoint parameters: pipeline stages)
+    grad_norm_groups: list[Any] = field(default_factory=list)
+    #: ``hook(params)`` run at each optimizer step before unscaling/clipping (e.g. tied weights across stages)
+    pre_step_hooks: list[Callable[[list], None]] = field(default_factory=list)
     #: human-readable log of what each method did (printed by `loom plan`/`--verbose`)
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_parts(self) -> list[nn.Module]:
+        """The modules methods transform: ``[model]``, or this rank's pipeline stage modules."""
+        return list(self.parts) if self.parts is not None else [self.model]
+
+    def map_parts(self, fn: Callable[[nn.Module], nn.Module]) -> None:
+        """Replace every part by ``fn(part)`` (for methods that wrap: DDP, compile of the whole module)."""
+        if self.parts is None:
+            self.model = fn(self.model)
+        else:
+            self.parts = [fn(p) for p in self.parts]
 
     def note(self, msg: str) -> None:
         self.notes.append(msg)

@@ -3,7 +3,7 @@ clipping and the optimizer step, for any strategy."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .parallel.grad_norm import clip_grad_norm_
@@ -77,6 +78,11 @@ def call_model(model: nn.Module, batch: Any, model_input_format: str | None) -> 
     )
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for reporting: a (replicated) DTensor loss, as loss parallel returns, is gathered."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _output_loss(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if loss is None:
@@ -102,7 +108,9 @@ class TrainStep:
                  device: torch.device, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
                  lr_scheduler: Any = None, loss_scaler: DynamicLossScaler | None = None,
                  model_input_format: str | None = None, prepare_input: Callable | None = None,
-                 dp_group: dist.ProcessGroup | None = None, dp_size: int = 1):
+                 dp_group: dist.ProcessGroup | None = None, dp_size: int = 1,
+                 step_contexts: Sequence[Callable[[], Any]] = (), grad_norm_groups: Sequence[dist.ProcessGroup] = (),
+                 pre_step_hooks: Sequence[Callable[[list], None]] = ()):
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
         self.model = model
@@ -117,6 +125,9 @@ class TrainStep:
         self.prepare_input = prepare_input or move_to_device
         self.dp_group = dp_group
         self.dp_size = dp_size
+        self.step_contexts = list(step_contexts)  # entered around forward + loss + backward (loss_parallel)
+        self.grad_norm_groups = list(grad_norm_groups)  # disjoint-parameter groups for the global norm (pp)
+        self.pre_step_hooks = list(pre_step_hooks)  # before unscale/clip (tied weights across stages)
         self.micro_step = 0
         self.optimizer_steps = 0
         self.last_grad_norm: torch.Tensor | None = None
@@ -128,7 +139,9 @@ class TrainStep:
     def __call__(self, batch: Any) -> torch.Tensor:
         sync = (self.micro_step + 1) % self.grad_accum_steps == 0
         batch = self.prepare_input(batch, self.device)
-        with self._maybe_no_sync(sync):
+        with self._maybe_no_sync(sync), contextlib.ExitStack() as stack:
+            for make_context in self.step_contexts:
+                stack.enter_context(make_context())
             output = call_model(self.model, batch, self.model_input_format)
             loss, report = self._loss(batch, output)
             if loss.grad_fn is None:
@@ -162,7 +175,7 @@ class TrainStep:
         if is_sum:
             count = float(out.count)
             self._count += count
-            return out.total, (out.total.detach().float() / max(count, 1.0))
+            return out.total, (_local(out.total.detach()).float() / max(count, 1.0))
         if isinstance(out, (tuple, list)):
             out = out[0]
         if not isinstance(out, torch.Tensor) or out.dim() != 0:
@@ -171,7 +184,7 @@ class TrainStep:
                 + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else "")
             )
         # mean over micro-batches: gradients of one global batch equal the full-batch mean
-        return out / self.grad_accum_steps, out.detach().float()
+        return out / self.grad_accum_steps, _local(out.detach()).float()
 
     def _maybe_no_sync(self, sync: bool):
         if self.grad_accum_steps == 1:
@@ -187,6 +200,19 @@ class TrainStep:
             m.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
+    def eval_loss(self, batch: Any) -> torch.Tensor:
+        """Loss of one micro-batch without backward (evaluation; call under ``torch.no_grad()``): 0-dim
+        fp32 tensor, the mean per item for :class:`SumLoss`. Does not touch gradients or counters."""
+        batch = self.prepare_input(batch, self.device)
+        with contextlib.ExitStack() as stack:
+            for make_context in self.step_contexts:
+                stack.enter_context(make_context())
+            output = call_model(self.model, batch, self.model_input_format)
+            out = self.loss_func(batch, output) if self.loss_func is not None else _output_loss(output)
+            if isinstance(out, SumLoss):
+                return _local(out.total.detach()).float() / max(float(out.count), 1.0)
+            return _local((out[0] if isinstance(out, (tuple, list)) else out).detach()).float()
+
     # ------------------------------------------------------------------------------------------------
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -194,13 +220,15 @@ class TrainStep:
     def step(self) -> None:
         """Unscale, normalise (SumLoss), clip, step the optimizer and scheduler, zero the gradients."""
         params = self._params()
+        for hook in self.pre_step_hooks:
+            hook(params)
         if self._sum_mode:
             self._normalise_by_global_count(params)
         found_inf = self.loss_scaler.unscale_(params) if self.loss_scaler is not None else False
         self.last_step_skipped = found_inf
         if not found_inf:
             if self.max_grad_norm is not None:
-                self.last_grad_norm = clip_grad_norm_(params, self.max_grad_norm)
+                self.last_grad_norm = clip_grad_norm_(params, self.max_grad_norm, extra_groups=self.grad_norm_groups)
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()

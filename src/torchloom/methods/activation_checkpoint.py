@@ -54,7 +54,7 @@ class ActivationCheckpoint(Method):
 
     def apply(self, ctx) -> None:
         c = self.config
-        blocks = find_blocks(ctx.model, c.wrap_cls)
+        blocks = [b for part in ctx.model_parts for b in find_blocks(part, c.wrap_cls)]
         chosen = blocks[:: c.every_k]
         stochastic = [q for q, b in chosen if has_active_dropout(b)]
         if stochastic and not c.preserve_rng_state:

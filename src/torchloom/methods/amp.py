@@ -59,7 +59,8 @@ class Amp(Method):
         if "fsdp" in ctx.strategy:
             ctx.note(f"amp: FSDP MixedPrecisionPolicy computes in {self.dtype} (see fsdp's reduce_dtype)")
             return  # fsdp builds its MixedPrecisionPolicy from ctx.autocast_dtype
-        enable_autocast(ctx.model, self.dtype, ctx.device.type)
+        for part in ctx.model_parts:
+            enable_autocast(part, self.dtype, ctx.device.type)
         ctx.note(f"amp: forward runs under torch.autocast({ctx.device.type}, {self.dtype})")
 
 

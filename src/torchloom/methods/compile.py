@@ -32,7 +32,7 @@ class Compile(Method):
 
     def apply(self, ctx) -> None:
         c = self.config
-        blocks = find_blocks(ctx.model, c.wrap_cls)
+        blocks = [b for part in ctx.model_parts for b in find_blocks(part, c.wrap_cls)]
         for _, block in blocks:
             block.compile(backend=c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic)
         ctx.note(f"compile: {len(blocks)} blocks with backend={c.backend}")

@@ -57,20 +57,26 @@ class DDP(Method):
         c = self.config
         group = ctx.mesh.group("dp")
         dev = ctx.device
-        averaged = c.sync_buffers and bool(running_stat_buffers(ctx.model))
+        averaged = c.sync_buffers and any(running_stat_buffers(p) for p in ctx.model_parts)
         broadcast = (not averaged) if c.broadcast_buffers is None else c.broadcast_buffers
-        model = DistributedDataParallel(
-            ctx.model,
-            device_ids=[dev.index] if dev.type != "cpu" and dev.index is not None else None,
-            process_group=group,
-            bucket_cap_mb=c.bucket_cap_mb,
-            static_graph=c.static_graph,
-            find_unused_parameters=c.find_unused_parameters,
-            gradient_as_bucket_view=c.gradient_as_bucket_view,
-            **_buffer_sync_kwargs(broadcast),
-        )
-        note = register_comm_hook(model, c.comm_hook, group, c.powersgd_rank, c.powersgd_start_iter)
-        ctx.model = model
+        notes = []
+
+        def wrap(module):
+            model = DistributedDataParallel(
+                module,
+                device_ids=[dev.index] if dev.type != "cpu" and dev.index is not None else None,
+                process_group=group,
+                bucket_cap_mb=c.bucket_cap_mb,
+                static_graph=c.static_graph,
+                find_unused_parameters=c.find_unused_parameters,
+                gradient_as_bucket_view=c.gradient_as_bucket_view,
+                **_buffer_sync_kwargs(broadcast),
+            )
+            notes.append(register_comm_hook(model, c.comm_hook, group, c.powersgd_rank, c.powersgd_start_iter))
+            return model
+
+        ctx.map_parts(wrap)
+        note = notes[0] if notes else ""
         ctx.note(f"ddp: DistributedDataParallel over dp={ctx.mesh.dp_size}" + (f"; {note}" if note else ""))
         if c.sync_buffers:
             install_buffer_sync(ctx, "ddp")

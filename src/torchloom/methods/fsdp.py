@@ -60,7 +60,6 @@ class FSDP(Method):
 
     def apply(self, ctx) -> None:
         c = self.config
-        model = ctx.model
         mesh = ctx.mesh["dp_replicate", "dp_shard"] if ctx.mesh.dims.dp_replicate > 1 else ctx.mesh["dp_shard"]
         mp = MixedPrecisionPolicy()
         if ctx.autocast_dtype is not None:
@@ -69,27 +68,34 @@ class FSDP(Method):
         offload = CPUOffloadPolicy(pin_memory=has_accelerator()) if c.cpu_offload else OffloadPolicy()
         kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
 
-        if c.sync_module_states and not ctx.on_meta and ctx.mesh.dp_size > 1:
-            if not c.cpu_offload:
-                model.to(ctx.device)  # NCCL broadcasts device tensors only (fully_shard would move them anyway)
-            broadcast_module_states(model, ctx.mesh.group("dp"))
-        blocks = find_blocks(model, c.wrap_cls)
-        ctx.block_classes = sorted({type(m).__name__ for _, m in blocks})
-        shared = shared_parameter_owners(model)
-        units = _plan_units([q for q, _ in blocks], shared)
-        modules = dict(model.named_modules())
-        for unit in units:
-            mods = [modules[q] for q in unit]
-            fully_shard(mods if len(mods) > 1 else mods[0], reshard_after_forward=c.reshard_after_forward, **kw)
-        # the root keeps everything else (embeddings, final norm, head; tied weights stay in one unit). Only the
-        # root casts its outputs to fp32 (as the autocast path returns them); inner units stay low precision.
-        if ctx.autocast_dtype is not None:
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=ctx.autocast_dtype, output_dtype=torch.float32,
-                                                   reduce_dtype=getattr(torch, c.reduce_dtype))
-        fully_shard(model, reshard_after_forward=c.reshard_after_forward, **kw)
-        if ctx.on_meta:
-            materialize_meta_model(model, ctx.device if not c.cpu_offload else torch.device("cpu"))
-            ctx.on_meta = False
+        units_total, shared_all, block_classes = 0, [], set()
+        for model in ctx.model_parts:
+            if c.sync_module_states and not ctx.on_meta and ctx.mesh.dp_size > 1:
+                if not c.cpu_offload:
+                    model.to(ctx.device)  # NCCL broadcasts device tensors only (fully_shard would move them anyway)
+                broadcast_module_states(model, ctx.mesh.group("dp"))
+            blocks = find_blocks(model, c.wrap_cls)
+            block_classes |= {type(m).__name__ for _, m in blocks}
+            shared = shared_parameter_owners(model)
+            shared_all += shared
+            units = _plan_units([q for q, _ in blocks], shared)
+            units_total += len(units)
+            modules = dict(model.named_modules())
+            for unit in units:
+                mods = [modules[q] for q in unit]
+                fully_shard(mods if len(mods) > 1 else mods[0], reshard_after_forward=c.reshard_after_forward, **kw)
+            # the root keeps everything else (embeddings, final norm, head; tied weights stay in one unit). Only
+            # the root casts its outputs to fp32 (as the autocast path returns them); inner units stay low precision.
+            root_kw = dict(kw)
+            if ctx.autocast_dtype is not None:
+                root_kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=ctx.autocast_dtype, output_dtype=torch.float32,
+                                                            reduce_dtype=getattr(torch, c.reduce_dtype))
+            fully_shard(model, reshard_after_forward=c.reshard_after_forward, **root_kw)
+            if ctx.on_meta:
+                materialize_meta_model(model, ctx.device if not c.cpu_offload else torch.device("cpu"))
+        ctx.on_meta = False
+        ctx.block_classes = sorted(block_classes)
+        units, shared = range(units_total), shared_all
         if c.sync_buffers:
             install_buffer_sync(ctx, "fsdp")
         mode = "ZeRO-3" if c.reshard_after_forward else "ZeRO-2"

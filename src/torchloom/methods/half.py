@@ -26,5 +26,6 @@ class Half(Method):
         ctx.param_dtype = DTYPES[self.config.dtype]
 
     def apply(self, ctx) -> None:
-        ctx.model.to(ctx.param_dtype)  # also fine on the meta device
+        for part in ctx.model_parts:
+            part.to(ctx.param_dtype)  # also fine on the meta device
         ctx.note(f"half: parameters cast to {ctx.param_dtype}")

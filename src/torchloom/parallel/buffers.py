@@ -81,15 +81,20 @@ def sync_buffers(model_or_buffers: nn.Module | list[torch.Tensor], group: dist.P
 def install_buffer_sync(ctx, method: str) -> None:
     """Register, after the optimizer exists, a step post-hook that runs :func:`sync_buffers` over the
     data-parallel group (only when the model has running statistics and dp > 1). Notes what it did."""
-    n = len(running_stat_buffers(ctx.model))
+    n = sum(len(running_stat_buffers(part)) for part in ctx.model_parts)
     if ctx.mesh.dp_size == 1 or not n:
         return
     group = ctx.mesh.group("dp")
 
     def register(c) -> None:
-        model = c.model  # final (wrapped, materialised) model; buffers are looked up at each step because
-        # moving or materialising a model replaces its buffer tensors
-        c.optimizer.register_step_post_hook(lambda opt, args, kwargs: sync_buffers(model, group))
+        parts = c.model_parts  # final (wrapped, materialised) modules; buffers are looked up at each step
+        # because moving or materialising a model replaces its buffer tensors
+
+        def hook(opt, args, kwargs) -> None:
+            for part in parts:
+                sync_buffers(part, group)
+
+        c.optimizer.register_step_post_hook(hook)
 
     ctx.post_optimizer.append(register)
     ctx.note(f"{method}: {n} running-statistic buffers averaged over dp={ctx.mesh.dp_size} after every optimizer step")
