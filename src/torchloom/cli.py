@@ -201,7 +201,7 @@ def _check_fits(cfg, kw: dict) -> None:
     from .api import plan_dims
     from .data import plan_batches
 
-    dims = plan_dims(cfg.strategy, int(nproc) * int(nnodes))
+    dims = plan_dims(cfg.full_strategy(), int(nproc) * int(nnodes))
     plan_batches(cfg.train.global_batch, cfg.train.micro_batch, dims.dp)
 
 

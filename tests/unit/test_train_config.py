@@ -93,3 +93,21 @@ def test_not_a_mapping(tmp_path):
     p.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping"):
         TrainConfig.load(p)
+
+
+def test_parallel_section_expands_to_methods():
+    """`parallel: {tp: 2, pp: 2}` is a shorthand for parallel_mode + the tensor/pipeline methods."""
+    cfg = TrainConfig.load(None, ["parallel.dp_replicate=2", "strategy=[fsdp]"])
+    assert cfg.full_strategy() == [{"parallel_mode": {"dp_replicate": 2}}, "fsdp"]
+    assert TrainConfig().full_strategy() == ["ddp"]  # nothing set: the strategy as written
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["parallel.tp=0"], "parallel.tp=0 must be a positive integer"),
+    (["parallel.pp_microbatches=0"], "pp_microbatches"),
+    (["parallel.sequence_parallel=true"], "set parallel.tp > 1"),
+    (["parallel.dp_shard=2", "strategy=[{parallel_mode: {dp_shard: 2}}]"], "keep one of them"),
+])
+def test_parallel_section_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig.load(None, overrides)

@@ -143,6 +143,29 @@ class SampleConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Mesh degrees, a shorthand for the ``parallel_mode``/``tensor_parallel``/``pipeline_parallel``
+    methods (``parallel: {tp: 2, pp: 2}`` on 4 processes). Data parallelism takes the rest of the world.
+
+    tp: tensor-parallel degree (Megatron column/row split of attention and MLP; docs/methods/tensor_parallel.md).
+    pp: pipeline-parallel degree (stages; docs/methods/pipeline_parallel.md).
+    dp_replicate / dp_shard: data-parallel degrees (None = the rest: dp_shard with fsdp, else dp_replicate).
+    sequence_parallel / loss_parallel: add those methods (need tp > 1).
+    pp_schedule: gpipe, 1f1b, interleaved_1f1b or zero_bubble. pp_microbatches: pipeline micro-batches per
+    train step (None = the number of stages).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp_replicate: int | None = None
+    dp_shard: int | None = None
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+
+
+@dataclass
 class TrainConfig:
     """The whole job. ``strategy`` is a torchloom method list (``[ddp]``, ``[fsdp, amp]``, ...)."""
 
@@ -150,6 +173,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
     strategy: list[Any] = field(default_factory=lambda: ["ddp"])
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -236,9 +260,46 @@ class TrainConfig:
         from ..strategy.strategy import Strategy
 
         try:
-            Strategy.parse(self.strategy)
+            Strategy.parse(self.full_strategy())
+        except ConfigError:
+            raise
         except Exception as e:  # noqa: BLE001 - surface the strategy's own message
-            raise ConfigError(f"strategy={self.strategy!r} is invalid: {e}") from e
+            raise ConfigError(f"strategy={self.full_strategy()!r} is invalid: {e}") from e
+
+    def full_strategy(self) -> list[Any]:
+        """``strategy`` with the ``parallel`` section's methods added (parallel_mode first).
+
+        Raises:
+            ConfigError: degrees below 1, or the ``parallel`` section used together with a
+                ``parallel_mode`` entry in ``strategy`` (two sources for the same degrees).
+        """
+        p = self.parallel
+        for k in ("tp", "pp", "dp_replicate", "dp_shard", "pp_microbatches"):
+            v = getattr(p, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"parallel.{k}={v!r} must be a positive integer" + (
+                    "" if k in ("tp", "pp") else " or null") + ".")
+        if (p.sequence_parallel or p.loss_parallel) and p.tp == 1:
+            raise ConfigError("parallel.sequence_parallel/loss_parallel shard over the tensor-parallel ranks: set "
+                              "parallel.tp > 1 as well.")
+        dims = {k: getattr(p, k) for k in ("pp", "dp_replicate", "dp_shard", "tp")
+                if getattr(p, k) is not None and getattr(p, k) != 1}
+        names = [m if isinstance(m, str) else next(iter(m)) if isinstance(m, Mapping) else m[0]
+                 for m in self.strategy]
+        if not dims and not p.sequence_parallel and not p.loss_parallel:
+            return list(self.strategy)
+        if "parallel_mode" in names:
+            raise ConfigError(f"the parallel section ({dims}) and a parallel_mode entry in strategy both set mesh "
+                              "degrees; keep one of them.")
+        out: list[Any] = [{"parallel_mode": dims}] if dims else []
+        if p.pp > 1 and "pipeline_parallel" not in names:
+            out.append({"pipeline_parallel": {"schedule": p.pp_schedule, "num_microbatches": p.pp_microbatches}})
+        if p.tp > 1 and "tensor_parallel" not in names:
+            out.append("tensor_parallel")
+        for flag in ("sequence_parallel", "loss_parallel"):
+            if getattr(p, flag) and flag not in names:
+                out.append(flag)
+        return out + list(self.strategy)
 
 
 # ----------------------------------------------------------------------------------------- files

@@ -154,7 +154,7 @@ class Job:
 
             (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         self.log(f"output dir {self.out}; {self.world} process(es) on {self.device.type}, "
-                 f"{torch.get_num_threads()} thread(s) each; strategy {cfg.strategy}")
+                 f"{torch.get_num_threads()} thread(s) each; strategy {cfg.full_strategy()}")
 
         self.corpus = prepare_corpus(cfg.data.eval_plays, cfg.model.vocab_size, cfg.data.cache_dir, log=self.log)
         c = self.corpus
@@ -174,7 +174,7 @@ class Job:
         from .metrics import flops_per_token
 
         self.flops_per_token = flops_per_token(self.n_matmul, cfg.model.num_layers, cfg.model.hidden_size, seq)
-        strategy = Strategy.parse(cfg.strategy)
+        strategy = Strategy.parse(cfg.full_strategy())
         t = cfg.train
         self.res = torchloom.auto_accelerate(
             model, adamw, self.train_ds, causal_lm_loss, strategy=strategy,
@@ -213,15 +213,17 @@ class Job:
     def evaluate(self) -> float:
         """Mean held-out loss per token over a fixed, evenly spaced subset of the held-out windows (the
         same subset for any number of ranks, which split it); same value on every rank. Collective: every
-        rank runs the same number of forwards, as FSDP requires."""
+        rank runs the same number of forwards, as FSDP requires. Data-parallel ranks split the windows;
+        tensor/pipeline peers evaluate the same ones (their duplicate sums cancel in the ratio)."""
         cfg, res = self.cfg.eval, self.res
+        dp_rank, dp = res.mesh.dp_rank, res.mesh.dp_size
         n = len(self.eval_ds)
         want = n if cfg.batches is None else min(n, cfg.batches * cfg.batch_size)
-        want -= want % self.world
+        want -= want % dp
         if want == 0:
-            raise ConfigError(f"the held-out set has {n} windows, fewer than the {self.world} ranks.")
-        idx = torch.linspace(0, n - 1, want).round().long()[self.rank::self.world]
-        bs = max(1, -(-cfg.batch_size // self.world))  # this rank's share of one eval batch
+            raise ConfigError(f"the held-out set has {n} windows, fewer than the {dp} data-parallel ranks.")
+        idx = torch.linspace(0, n - 1, want).round().long()[dp_rank::dp]
+        bs = max(1, -(-cfg.batch_size // dp))  # this rank's share of one eval batch
         was_training = res.model.training
         res.model.eval()
         total = torch.zeros((), dtype=torch.float64)
@@ -474,7 +476,7 @@ class Job:
             "train_time_s": self.train_time, "this_run": {k: run[k] for k in ("start_step", "tokens", "time_s")},
             "tokens_seen": self.tokens_seen, "tokens_per_s": run["tokens_per_s"], "mfu": run["mfu"],
             "peak_mem_bytes": run["peak_mem_bytes"], "peak_flops": self.peak_flops,
-            "peak_flops_source": self.peak_flops_source, "world_size": self.world, "strategy": cfg.strategy,
+            "peak_flops_source": self.peak_flops_source, "world_size": self.world, "strategy": cfg.full_strategy(),
             "params": self.n_params, "tokens_per_step": self.tokens_per_step, "sample": sample,
             "weights": str(weights), "checkpoints": str(self.ckpt_root),
             "restarts": self.attempt,
