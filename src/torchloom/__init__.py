@@ -8,12 +8,15 @@
 from .api import AccelerateResult, auto_accelerate
 from .errors import CheckpointError, LossScaleError, StrategyError, TorchloomError
 from .parallel.mesh import ParallelDims, ParallelMesh
+from .replace import register_module_replacement
 from .strategy import Method, Stage, Strategy, register_method
+from .strategy.annotations import replicate, split
 from .train_step import SumLoss, TrainStep
 
 __version__ = "0.1.0"
 
 __all__ = [
     "auto_accelerate", "AccelerateResult", "Strategy", "Method", "Stage", "register_method", "ParallelDims",
-    "ParallelMesh", "SumLoss", "TrainStep", "TorchloomError", "StrategyError", "CheckpointError", "LossScaleError",
+    "ParallelMesh", "replicate", "split", "register_module_replacement", "SumLoss", "TrainStep", "TorchloomError",
+    "StrategyError", "CheckpointError", "LossScaleError",
 ]

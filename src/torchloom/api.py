@@ -16,8 +16,10 @@ from .errors import StrategyError
 from .parallel.distributed import init_distributed
 from .parallel.materialize import materialize_meta_model
 from .parallel.mesh import ParallelDims, ParallelMesh
+from .strategy.annotations import has_annotations, strategy_from_annotations
 from .strategy.strategy import Strategy, StrategyLike
 from .train_step import TrainStep
+from .utils import world_size as _world_size
 
 log = logging.getLogger("torchloom")
 
@@ -91,7 +93,9 @@ def auto_accelerate(
             or :class:`~torchloom.train_step.SumLoss` to normalise by the global item count. None: use the
             model output's ``loss`` (Hugging Face models given ``labels``).
         strategy: list of methods (``["fsdp", ("amp", {"dtype": "bfloat16"})]``, ATorch lists accepted), a
-            :class:`Strategy`, a JSON/YAML file path, or None (plain data parallel).
+            :class:`Strategy`, a JSON/YAML file path, or None (plain data parallel). A model annotated with
+            ``torchloom.replicate``/``split`` scopes gives its own strategy; one given here is merged into it
+            (see :func:`torchloom.strategy.annotations.strategy_from_annotations`, docs/annotations.md).
         optim_args: keyword arguments of ``optim_func`` (e.g. ``{"lr": 3e-4}``).
         dataloader_args: ``DataLoader`` arguments; ``batch_size`` is the **global** batch (samples per
             optimizer step over all data-parallel ranks). ``micro_batch_size`` (per rank) may be given too;
@@ -126,8 +130,11 @@ def auto_accelerate(
         )
     _check_arguments(optim_func, max_grad_norm, seed)
     device = init_distributed()
-    strategy = Strategy.parse(strategy)
+    annotated = has_annotations(model)  # replicate/split scopes: they become (or merge into) the strategy
+    strategy = strategy_from_annotations(model, _world_size(), strategy) if annotated else Strategy.parse(strategy)
     ctx = AccelContext(model=model, strategy=strategy, device=device)
+    if annotated:
+        ctx.note(f"annotations: replicate/split scopes give {strategy!r}")
     ctx.on_meta = any(p.is_meta for p in model.parameters())
     methods = strategy.ordered()
 
@@ -259,6 +266,13 @@ def _default_dims(ctx: AccelContext) -> None:
 
 
 def _build_optimizer(optim_func, params, optim_args) -> torch.optim.Optimizer:
+    """``optim_func(params, **optim_args)``; a list mixing DTensor and plain parameters (tensor parallelism
+    leaves norms plain) gets ``foreach=False`` unless the user chose (the foreach kernels reject such lists)."""
+    from .parallel.tensor.optim import foreach_safe_args
+
+    optim_args, note = foreach_safe_args(optim_func, params, optim_args)
+    if note:
+        log.info(note)
     try:
         return optim_func(params, **optim_args)
     except TypeError as e:

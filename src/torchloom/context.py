@@ -40,6 +40,9 @@ class AccelContext:
     data_parallel: str | None = None
     block_classes: list[str] | None = None
     on_meta: bool = False
+    #: set by the ``sequence_parallel`` / ``loss_parallel`` methods; read by ``tensor_parallel``
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
     #: local pipeline stage modules (None without pipeline parallel); see :attr:`model_parts`
     parts: list[nn.Module] | None = None
     #: callables run after every method's ``apply`` and before the optimizer is built

@@ -134,9 +134,12 @@ class TrainStep:
         self.last_step_skipped = False
         self._count = 0.0  # items summed over the current accumulation window (SumLoss)
         self._sum_mode: bool | None = None
+        self._pipeline = _pipeline_driver(model)  # drives the schedule when the model is pipelined
 
     # ------------------------------------------------------------------------------------------------
     def __call__(self, batch: Any) -> torch.Tensor:
+        if self._pipeline is not None:
+            return self._pipeline_call(batch)
         sync = (self.micro_step + 1) % self.grad_accum_steps == 0
         batch = self.prepare_input(batch, self.device)
         with self._maybe_no_sync(sync), contextlib.ExitStack() as stack:
@@ -202,7 +205,10 @@ class TrainStep:
 
     def eval_loss(self, batch: Any) -> torch.Tensor:
         """Loss of one micro-batch without backward (evaluation; call under ``torch.no_grad()``): 0-dim
-        fp32 tensor, the mean per item for :class:`SumLoss`. Does not touch gradients or counters."""
+        fp32 tensor, the mean per item for :class:`SumLoss`. Does not touch gradients or counters.
+        Pipelined: a forward-only pass of the schedule, the same value on every rank."""
+        if self._pipeline is not None:
+            return self._pipeline_eval(batch)
         batch = self.prepare_input(batch, self.device)
         with contextlib.ExitStack() as stack:
             for make_context in self.step_contexts:
@@ -212,6 +218,65 @@ class TrainStep:
             if isinstance(out, SumLoss):
                 return _local(out.total.detach()).float() / max(float(out.count), 1.0)
             return _local((out[0] if isinstance(out, (tuple, list)) else out).detach()).float()
+
+    # ------------------------------------------------------------------------------------------------ pipeline
+    def _pipeline_call(self, batch: Any) -> torch.Tensor:
+        """``__call__`` for a pipelined model: the schedule runs forward and backward of every pipeline
+        micro-batch (DDP/FSDP stages reduce gradients at the schedule's last backward; reducing a partial
+        accumulation early is exact, averaging is linear). Means are scaled by 1 / (num_microbatches x
+        grad_accum_steps); the SumLoss count and the reported loss come from the last stage to every rank."""
+        sync = (self.micro_step + 1) % self.grad_accum_steps == 0
+        batch = self.prepare_input(batch, self.device)
+        n_mb = self._pipeline.num_microbatches
+
+        def loss_fn(sub_batch, output):
+            before = self._count
+            loss, report = self._loss(sub_batch, output)
+            count, self._count = self._count - before, before  # counted once for every rank below
+            if loss.grad_fn is None:
+                raise RuntimeError(
+                    "the loss does not depend on any trainable parameter (no grad_fn): loss_func must compute it "
+                    "from the model output without .detach()/.item()/torch.tensor(...), and not under no_grad."
+                )
+            if not self._sum_mode:
+                loss = loss / n_mb
+            if self.loss_scaler is not None:
+                loss = self.loss_scaler.scale_loss(loss)
+            num = report * count if self._sum_mode else report
+            return loss, num, (count if self._sum_mode else 1.0), count, bool(self._sum_mode)
+
+        with contextlib.ExitStack() as stack:
+            for make_context in self.step_contexts:
+                stack.enter_context(make_context())
+            stats = self._pipeline.run(batch, self.model_input_format, loss_fn, backward=True)
+        if stats["sum_mode"] is not None:
+            if self._sum_mode is not None and self._sum_mode != stats["sum_mode"]:
+                raise TypeError("loss_func must return SumLoss every time or never (gradients of sums and of means "
+                                "cannot be accumulated together).")
+            self._sum_mode = stats["sum_mode"]
+        self._count += stats["count"]
+        self.micro_step += 1
+        if sync:
+            self.step()
+        return stats["report"]
+
+    def _pipeline_eval(self, batch: Any) -> torch.Tensor:
+        """``eval_loss`` for a pipelined model: a forward-only schedule pass; the mean over the pipeline
+        micro-batches (total / count for SumLoss), the same on every rank."""
+        batch = self.prepare_input(batch, self.device)
+
+        def loss_fn(sub_batch, output):
+            out = self.loss_func(sub_batch, output) if self.loss_func is not None else _output_loss(output)
+            if isinstance(out, SumLoss):
+                total = _local(out.total.detach()).float()
+                return total, total, float(out.count), float(out.count), True
+            value = _local((out[0] if isinstance(out, (tuple, list)) else out).detach()).float()
+            return value, value, 1.0, 0.0, False
+
+        with contextlib.ExitStack() as stack:
+            for make_context in self.step_contexts:
+                stack.enter_context(make_context())
+            return self._pipeline.run(batch, self.model_input_format, loss_fn, backward=False)["report"]
 
     # ------------------------------------------------------------------------------------------------
     def _params(self) -> list[torch.nn.Parameter]:
@@ -227,7 +292,13 @@ class TrainStep:
         found_inf = self.loss_scaler.unscale_(params) if self.loss_scaler is not None else False
         self.last_step_skipped = found_inf
         if not found_inf:
-            if self.max_grad_norm is not None:
+            if self.max_grad_norm is not None and getattr(self._pipeline, "ties", None) is not None:
+                # a weight tied across pipeline stages has one copy per stage: count it once, as unsplit
+                from .parallel.pipeline.tied import clip_grad_norm_ as clip_tied
+
+                self.last_grad_norm = clip_tied(params, self.max_grad_norm, self.grad_norm_groups,
+                                                self._pipeline.ties.duplicate_ids())
+            elif self.max_grad_norm is not None:
                 self.last_grad_norm = clip_grad_norm_(params, self.max_grad_norm, extra_groups=self.grad_norm_groups)
             self.optimizer.step()
             if self.lr_scheduler is not None:
@@ -279,3 +350,13 @@ class TrainStep:
         if self.loss_scaler is not None and state.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
 
+
+def _pipeline_driver(model: nn.Module) -> Any:
+    """The schedule driver of a :class:`~torchloom.parallel.pipeline.PipelinedModel`, else None."""
+    from .parallel.pipeline.model import PipelinedModel
+
+    if isinstance(model, PipelinedModel):
+        if model.pipeline is None:
+            raise RuntimeError("the pipelined model has no schedule (auto_accelerate's post-apply hooks did not run)")
+        return model.pipeline
+    return None

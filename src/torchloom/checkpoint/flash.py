@@ -32,6 +32,7 @@ from torchloom.checkpoint.state import (
     capture_rng,
     clear_optimizer_state,
     dcp_state,
+    flat_optimizer,
     from_json,
     is_zero_optimizer,
     optimizer_state_is_empty,
@@ -464,7 +465,7 @@ class FlashCheckpointer:
         from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
         state = unflatten_state_dict(flat, mapping)
-        opts = StateDictOptions(strict=strict)
+        opts = StateDictOptions(strict=strict, flatten_optimizer_state_dict=flat_optimizer(self.model))
         if "optim" in state:
             opt = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
             set_state_dict(self.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],

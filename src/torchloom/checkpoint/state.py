@@ -454,8 +454,24 @@ def dcp_state(model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
         return out
     if not opts:
         return {"model": get_model_state_dict(model)}
-    msd, osd = get_state_dict(model, opts)
+    msd, osd = get_state_dict(model, opts, options=StateDictOptions(flatten_optimizer_state_dict=flat_optimizer(model)))
     return {"model": msd, "optim": osd}
+
+
+def flat_optimizer(model: nn.Module) -> bool:
+    """Whether ``model``'s optimizer state is stored per parameter name (``param_groups.<fqn>.lr``) rather than
+    per group index. Pipelined models need it: each rank's group 0 holds other parameters, and per-index
+    entries saved by several ranks would overwrite each other (torchtitan flattens for the same reason)."""
+    return _holds_part_of_model(model)
+
+
+def checkpoint_optimizer_is_flat(md: Metadata) -> bool | None:
+    """Layout of a checkpoint's optimizer state: True per parameter name, False per group index, None if
+    it has none."""
+    groups = [k.split(".")[2] for k in md.state_dict_metadata if k.startswith("optim.param_groups.")]
+    if not groups:
+        return None
+    return not all(g.isdigit() for g in groups)
 
 
 def checkpoint_keys(md: Metadata) -> dict[str, set[str]]:
@@ -499,14 +515,26 @@ def load_dcp_state(
     load_optim = bool(opts) and "optim" in present
     zero = opts[0] if opts and is_zero_optimizer(opts[0]) else None
 
+    flat = checkpoint_optimizer_is_flat(md) if load_optim else None
+    if load_optim and flat != flat_optimizer(model) and (zero is not None or flat_optimizer(model)):
+        layout = "per parameter name (a pipelined job)" if flat else "per parameter-group index"
+        target_kind = "ZeRO optimizer" if zero is not None else "pipelined model"
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} stores optimizer state {layout}, which this {target_kind} cannot load; load the "
+            f"model only (optimizer=None) and start the optimizer fresh"
+        )
     if zero is not None or not load_optim:
         target = {"model": get_model_state_dict(model)}
     else:
-        msd, osd = get_state_dict(model, opts)
+        msd, osd = get_state_dict(model, opts, options=StateDictOptions(flatten_optimizer_state_dict=bool(flat)))
         target = {"model": msd, "optim": osd}
 
     if strict:
         want, have = set(target["model"]), present.get("model", set())
+        if distributed and _holds_part_of_model(model):  # pipeline stages: the job's keys are every rank's union
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, sorted(want))
+            want = set().union(*map(set, everyone))
         missing, unexpected = sorted(want - have), sorted(have - want)
         if missing or unexpected:
             raise CheckpointError(
@@ -530,7 +558,7 @@ def load_dcp_state(
     except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
         raise unwrap_checkpoint_exception(e, ckpt_dir, "loading") from e
 
-    options = StateDictOptions(strict=strict)
+    options = StateDictOptions(strict=strict, flatten_optimizer_state_dict=bool(flat))
     if zero is not None or not load_optim:
         set_model_state_dict(model, target["model"], options=options)
         if zero_osd is not None:
@@ -539,6 +567,13 @@ def load_dcp_state(
         set_state_dict(model, opts, model_state_dict=target["model"], optim_state_dict=target["optim"], options=options)
     if opts and optimizer_state_empty:
         clear_optimizer_state(opts)
+
+
+def _holds_part_of_model(model: nn.Module) -> bool:
+    """True for a pipelined model (each rank holds some stages' parameters under their original names)."""
+    from torchloom.parallel.pipeline.model import PipelinedModel
+
+    return isinstance(model, PipelinedModel)
 
 
 def _load_everything(ckpt_dir: Path, key: str, *, no_dist: bool) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch import nn
 
 
@@ -109,4 +110,6 @@ def broadcast_module_states(model: nn.Module, group: dist.ProcessGroup) -> None:
     before sharding or wrapping), so all ranks start from one model."""
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t.data, group=group, group_src=0)
+            # tensor-parallel DTensors: each dp peer holds the same shard; broadcast the local shard
+            t = t.to_local() if isinstance(t, DTensor) else t.data
+            dist.broadcast(t, group=group, group_src=0)

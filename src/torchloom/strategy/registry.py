@@ -72,6 +72,7 @@ class Stage:
 
     MESH = 0
     CAST = 10
+    REPLACE = 12  # module_replace: after half's cast, before pipeline splitting and TP
     PIPELINE = 15
     TENSOR = 20
     PRECISION = 25

@@ -1,0 +1,198 @@
+"""`tensor_parallel`, `sequence_parallel`, `loss_parallel`: Megatron-style intra-layer parallelism on DTensor.
+
+The mechanics (styles, per-family plans, application) live in ``torchloom.parallel.tensor``.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
+
+from ..errors import StrategyError
+from ..parallel.tensor import Flags, auto_plan, check_divisible, custom_plan, parallelize_part, resolve_plan
+from ..parallel.tensor.apply import check_fsdp_compatible
+from ..parallel.tensor.checkpointing import install_model_hook, install_optimizer_hook
+from ..parallel.tensor.optim import parameter_layouts
+from ..parallel.tensor.styles import SEQUENCE_STYLES, check_style_name
+from ..strategy.registry import Method, Stage, register_method
+from ..utils import did_you_mean
+
+
+@dataclass
+class TensorParallelConfig:
+    """size: tensor-parallel degree when ``parallel_mode`` does not set ``tp`` (giving both with different
+        values is an error).
+    plan: "auto" (the built-in plan of a supported Hugging Face family) or a mapping of module-name patterns
+        (``fnmatch`` per dotted component of the unwrapped model's names, e.g.
+        ``"model.layers.*.self_attn.q_proj"``) to style names:
+        colwise, rowwise, colwise_gather, lm_head, vocab_embedding, embedding_colwise, fused_qkv, moe_experts,
+        sequence_parallel, sp_gather_input, sp_gather_input_scatter_output (docs/methods/tensor_parallel.md).
+    """
+
+    size: int | None = None
+    plan: str | dict[str, str] = "auto"
+
+    def __post_init__(self):
+        if self.size is not None and self.size < 1:
+            raise StrategyError(f"tensor_parallel: size must be >= 1, got {self.size}.")
+        if isinstance(self.plan, str) and self.plan != "auto":
+            raise StrategyError(
+                f"tensor_parallel: plan must be 'auto' or a mapping of module patterns to style names, got "
+                f"{self.plan!r}."
+            )
+        if isinstance(self.plan, dict):
+            if not self.plan:
+                raise StrategyError("tensor_parallel: the plan is empty; give module patterns and styles or 'auto'.")
+            for pattern, style in self.plan.items():
+                if not isinstance(pattern, str) or not isinstance(style, str):
+                    raise StrategyError(
+                        f"tensor_parallel: plan entries map a pattern (str) to a style name (str), got "
+                        f"{pattern!r}: {style!r}."
+                    )
+                check_style_name(style, f"pattern '{pattern}'")
+
+
+@register_method
+class TensorParallel(Method):
+    """Tensor parallelism (Shoeybi et al., "Megatron-LM", 2019) with DTensor ``parallelize_module``.
+
+    Attention q/k/v and MLP gate/up are split column-wise, o/down row-wise, embeddings and the output head
+    over the vocabulary; one all-reduce per attention and per MLP in forward and in backward. Parameters
+    become DTensors on the ``tp`` mesh (norms stay plain tensors with identical gradients on every tp rank);
+    their full values and checkpoints keep the original layout. Applied before activation checkpointing,
+    compile and FSDP (torchtitan order); with ``fsdp`` the parameters are 2-D (dp_shard x tp).
+    """
+
+    name = "tensor_parallel"
+    Config = TensorParallelConfig
+    stage = Stage.TENSOR
+    mesh_dims = ("tp",)
+    conflicts = {"ddp": "DistributedDataParallel cannot hold tensor-parallel DTensor parameters (it fails at wrap "
+                        "time, broadcasting them as plain tensors). Use fsdp for the data-parallel dimension: "
+                        "[('parallel_mode', {'dp_shard': N, 'tp': M}), 'tensor_parallel', 'fsdp'] (2-D, as "
+                        "torchtitan), or {'dp_replicate': N, 'tp': M} with fsdp to replicate instead of shard."}
+
+    def configure(self, ctx) -> None:
+        mode = ctx.strategy.config("parallel_mode")
+        mode_tp = getattr(mode, "tp", None)
+        size = self.config.size
+        if size is not None and mode_tp is not None and mode_tp != size:
+            raise StrategyError(
+                f"tensor_parallel: size={size} but parallel_mode sets tp={mode_tp}; give the degree in one place."
+            )
+        degree = size if size is not None else mode_tp
+        if degree is None:
+            raise StrategyError(
+                "tensor_parallel needs a degree: ('tensor_parallel', {'size': 2}) or ('parallel_mode', {'tp': 2})."
+            )
+        ctx.dims.tp = degree
+
+    def apply(self, ctx) -> None:
+        tp = ctx.mesh.dims.tp
+        if tp == 1:
+            ctx.note("tensor_parallel: tp=1, nothing to shard")
+            return
+        flags = Flags(sequence_parallel=ctx.sequence_parallel, loss_parallel=ctx.loss_parallel)
+        parts = ctx.model_parts
+        plans = [auto_plan(p) if self.config.plan == "auto" else custom_plan(p, self.config.plan) for p in parts]
+        resolved = [resolve_plan(p, plan) for p, plan in zip(parts, plans)]
+        _check_patterns_matched(ctx, parts, plans, resolved)
+        if flags.sequence_parallel:
+            _check_sequence_plan(plans)
+        for part, r in zip(parts, resolved):
+            check_divisible(part, r, tp)
+            if "fsdp" in ctx.strategy:
+                check_fsdp_compatible(part, r)
+        mesh = ctx.mesh["tp"]
+        counts: Counter = Counter()
+        for part, r in zip(parts, resolved):
+            counts.update(parallelize_part(part, mesh, r, flags))
+            install_model_hook(part)  # DCP: strided (fused q/k/v, packed experts) shards save as their blocks
+        styles = ", ".join(f"{n} {k}" for k, n in counts.items())
+        ctx.note(f"tensor_parallel: tp={tp}, {plans[0].family} plan over {len(parts)} part(s): {styles}"
+                 + (", sequence parallel" if flags.sequence_parallel else "")
+                 + (", loss parallel (vocab-sharded logits)" if flags.loss_parallel else ""))
+
+    def wrap_optimizer(self, ctx) -> None:
+        if ctx.mesh.dims.tp > 1:
+            install_optimizer_hook(ctx.optimizer)
+        params = [p for g in ctx.optimizer.param_groups for p in g["params"]]
+        if ctx.optimizer.defaults.get("foreach") is False and len(parameter_layouts(params)) > 1:
+            ctx.note("optimizer: foreach=False (parameters mix DTensors and plain tensors; the foreach kernels "
+                     "reject such lists)")
+
+
+@register_method
+class SequenceParallelMethod(Method):
+    """Sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+    Models", 2022): norms and dropout run on a 1/tp slice of the sequence; the residual stream between
+    blocks is a DTensor sharded on the sequence dim; attention/MLP inputs are all-gathered and their row-wise
+    outputs reduce-scattered (same communication volume as tensor parallelism alone, 1/tp of the
+    activation memory outside attention/MLP). Sets a flag that ``tensor_parallel`` reads."""
+
+    name = "sequence_parallel"
+    stage = Stage.TENSOR
+    requires = ("tensor_parallel",)
+
+    def configure(self, ctx) -> None:
+        ctx.sequence_parallel = True
+
+
+@register_method
+class LossParallel(Method):
+    """Cross-entropy on vocabulary-sharded logits without gathering them (DTensor ``loss_parallel``): the
+    output head returns a ``Shard(-1)`` DTensor and forward, loss and backward of every micro-batch run
+    inside ``loss_parallel()``. Losses from Hugging Face models (``output.loss``) and ``loss_func``s that call
+    ``F.cross_entropy`` on the logits work unchanged; other operations on the logits see a DTensor."""
+
+    name = "loss_parallel"
+    stage = Stage.TENSOR
+    requires = ("tensor_parallel",)
+
+    def configure(self, ctx) -> None:
+        ctx.loss_parallel = True
+
+    def apply(self, ctx) -> None:
+        if ctx.mesh.dims.tp > 1:
+            ctx.step_contexts.append(loss_parallel)
+            ctx.note("loss_parallel: cross-entropy on vocab-sharded logits inside loss_parallel()")
+
+
+def _check_patterns_matched(ctx, parts, plans, resolved) -> None:
+    """Every plan pattern must match a module on some rank (pipeline stages hold different modules, so
+    the matches are gathered over the pp group first).
+
+    Raises:
+        StrategyError: naming the patterns and the closest module names.
+    """
+    matched = set().union(*(r.matched for r in resolved))
+    if ctx.mesh.dims.pp > 1:
+        everyone: list = [None] * ctx.mesh.dims.pp
+        dist.all_gather_object(everyone, sorted(matched), group=ctx.mesh.group("pp"))
+        matched = set().union(*map(set, everyone))
+    missing = [p for plan in plans for p in plan.styles if p not in matched]
+    if missing:
+        names = [n for part in parts for n, _ in part.named_modules() if n]
+        hint = did_you_mean(missing[0], names)
+        raise StrategyError(
+            f"tensor_parallel: plan pattern(s) {sorted(set(missing))} match no module of "
+            f"{type(parts[0]).__name__}.{hint} Patterns are fnmatch patterns on module names such as "
+            f"{names[:3]} ('*' matches one dotted component)."
+        )
+
+
+def _check_sequence_plan(plans) -> None:
+    for plan in plans:
+        if plan.family != "custom" and not plan.sequence_parallel:
+            raise StrategyError(
+                f"sequence_parallel: the built-in {plan.family} plan has no sequence-parallel variant (supported: "
+                "the Llama-like families). Remove sequence_parallel, or pass a tensor_parallel plan with "
+                "'sequence_parallel'/'sp_gather_input' styles."
+            )
+        if plan.family == "custom" and not SEQUENCE_STYLES & set(plan.styles.values()):
+            raise StrategyError(
+                "sequence_parallel: the tensor_parallel plan has no sequence-parallel entries; add "
+                "'sequence_parallel' for the norms and 'sp_gather_input' for attention/MLP modules."
+            )

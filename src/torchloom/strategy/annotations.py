@@ -1,0 +1,417 @@
+"""EPL-style parallelism annotations: ``replicate`` and ``split`` scopes written into a model's ``__init__``
+(or applied to existing submodules) and translated into an ordinary :class:`Strategy`.
+
+Follows Alibaba EPL (Jia et al., "Whale: Efficient Giant Model Training over Heterogeneous GPUs",
+USENIX ATC 2022; https://github.com/alibaba/EasyParallelLibrary, docs/en/api/strategy.md). Mapping rules
+(docs/annotations.md):
+
+* each ``replicate`` scope is one pipeline stage; a new stage begins at the first module of every
+  ``replicate`` scope after the first, in module order (``model.named_modules()``);
+* a ``split`` scope is tensor parallel: Linear pairs whose shapes chain (``a.out_features ==
+  b.in_features``) become ``colwise`` then ``rowwise`` (a Megatron MLP), any other Linear ``colwise_gather``,
+  an Embedding ``vocab_embedding``; a top-level ``split`` is colocated with the stage it falls in (EPL's
+  ``cluster.colocate_split_and_replicate``);
+* every stage gets the same ``tp`` devices (tp = the split degree): modules outside ``split`` scopes are
+  replicated over them, so one model replica uses ``pp x tp`` devices and data parallelism takes the rest
+  of the world.
+
+An annotation is a plain attribute (:data:`ATTR`) on the modules: forward, parameters and state-dict keys
+are untouched, and it survives ``copy.deepcopy`` and pickling.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.nn.modules import module as _module_hooks
+
+from ..errors import StrategyError
+from .config import config_to_dict
+from .registry import resolve_name
+from .strategy import Strategy, StrategyLike
+
+#: attribute holding a module's annotation: ``{"replicate": Scope, "split": Scope}`` (either key optional)
+ATTR = "_torchloom_annotation"
+_uids = itertools.count()
+_local = threading.local()  # .stack: the scopes open in this thread, outermost first
+
+
+@dataclass(frozen=True)
+class Scope:
+    """One ``replicate`` or ``split`` annotation. Use it as a context manager around submodule construction,
+    or call it on existing modules.
+
+    Attributes:
+        kind: ``"replicate"`` (a pipeline stage, replicated for data parallelism) or ``"split"`` (tensor
+            parallel).
+        device_count: devices of one model replica this scope runs on (see :func:`replicate`, :func:`split`).
+        name: a label shown in plans and errors (default ``"replicate#<n>"``/``"split#<n>"``).
+        uid: identity of the scope: modules with equal ``uid`` belong to the same scope (kept by deepcopy).
+    """
+
+    kind: str
+    device_count: int
+    name: str | None = None
+    uid: int = field(default_factory=lambda: next(_uids))
+
+    @property
+    def label(self) -> str:
+        return self.name or f"{self.kind}#{self.uid}"
+
+    def __enter__(self) -> "Scope":
+        stack = _stack()
+        for outer in stack:
+            if outer.kind == "split" or self.kind == outer.kind:
+                raise StrategyError(
+                    f"{self.kind} scope '{self.label}' is opened inside {outer.kind} scope '{outer.label}'; "
+                    "scopes nest only as a split inside a replicate (a tensor-parallel part of a pipeline stage). "
+                    "Close the outer scope first."
+                )
+        if not stack:
+            _local.handles = [
+                _module_hooks.register_module_module_registration_hook(lambda parent, name, sub: _record(sub)),
+                _module_hooks.register_module_parameter_registration_hook(lambda mod, name, p: _record(mod)),
+                _module_hooks.register_module_buffer_registration_hook(lambda mod, name, b: _record(mod)),
+            ]
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        stack = _stack()
+        stack.remove(self)
+        if not stack:
+            for h in _local.handles:
+                h.remove()
+            _local.handles = []
+
+    def __call__(self, *modules: nn.Module) -> Any:
+        """Annotate existing modules and all their submodules; returns the module (or the tuple of modules).
+
+        Raises:
+            TypeError: an argument is not an ``nn.Module``.
+            StrategyError: a module already belongs to another scope of the same kind.
+        """
+        if not modules:
+            raise TypeError(f"{self.kind}(...)(module): pass at least one nn.Module to annotate.")
+        for m in modules:
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"{self.kind} annotates nn.Module objects, got {type(m).__name__}.")
+        subs = [sub for m in modules for sub in m.modules()]
+        for sub in subs:  # check all before changing any
+            _check_free(sub, self)
+        for sub in subs:
+            _mark(sub, self)
+        return modules[0] if len(modules) == 1 else modules
+
+
+def replicate(*modules: Any, device_count: int | None = None, name: str | None = None) -> Any:
+    """A pipeline stage whose modules are replicated (data parallel over the model replicas).
+
+    Forms::
+
+        with torchloom.replicate(device_count=1):       # in __init__: modules registered here form the stage
+            self.layers = nn.ModuleList(...)
+        with torchloom.replicate(1, name="stage0"):     # EPL style: the device count positionally
+            ...
+        torchloom.replicate(model.model.layers[2:])      # existing modules and their submodules
+        torchloom.replicate(1)(layer2, layer3)           # the same: a scope object called on modules
+
+    Args:
+        modules: modules to annotate now (then the annotated module, or the tuple of them, is returned), or
+            a single int: the device count (EPL's ``replicate(1)``).
+        device_count: devices one model replica of this stage uses (default 1): 1, or the model's
+            ``split`` degree (the stage is then colocated with the tensor-parallel group and replicated over
+            it). More replicas (data parallelism) are derived from the world size.
+        name: label for plans and errors.
+
+    Returns:
+        a :class:`Scope` (context manager, callable on modules), or the annotated module(s).
+
+    Raises:
+        StrategyError: ``device_count`` not a positive int, or given twice.
+        TypeError: arguments that are neither modules nor one device count.
+    """
+    targets, count = _targets("replicate", modules, device_count)
+    scope = Scope("replicate", _check_count("replicate", 1 if count is None else count, minimum=1), name)
+    return scope(*targets) if targets else scope
+
+
+def split(*modules: Any, device_count: int | None = None, name: str | None = None) -> Any:
+    """A tensor-parallel scope: its Linear and Embedding modules are split over ``device_count`` devices.
+
+    Forms::
+
+        with torchloom.split(device_count=2):        # in __init__
+            self.head = nn.Linear(512, 1000)
+        torchloom.split(model.head, device_count=2)   # an existing module; returns it
+        torchloom.split(2)(model.head)                # the same, EPL style
+
+    Args:
+        modules: modules to annotate now, or a single int: the device count.
+        device_count: the tensor-parallel degree (an int >= 2); required.
+        name: label for plans and errors.
+
+    Returns:
+        a :class:`Scope`, or the annotated module(s).
+
+    Raises:
+        StrategyError: no, invalid or twice-given ``device_count``.
+        TypeError: arguments that are neither modules nor one device count.
+    """
+    targets, count = _targets("split", modules, device_count)
+    if count is None:
+        raise StrategyError("split needs device_count, the tensor-parallel degree: split(device_count=2).")
+    scope = Scope("split", _check_count("split", count, minimum=2), name)
+    return scope(*targets) if targets else scope
+
+
+def _targets(kind: str, args: tuple, device_count: Any) -> tuple[tuple[nn.Module, ...], Any]:
+    """Split ``replicate``/``split``'s positional arguments into modules to annotate and a device count."""
+    if len(args) == 1 and not isinstance(args[0], nn.Module):
+        if device_count is not None:
+            raise StrategyError(f"{kind}: device_count given twice (positionally and by keyword); give it once.")
+        return (), args[0]
+    bad = [a for a in args if not isinstance(a, nn.Module)]
+    if bad:
+        raise TypeError(f"{kind} takes modules to annotate or one device count, got {bad[0]!r}.")
+    return args, device_count
+
+
+def has_annotations(model: nn.Module) -> bool:
+    """True when any submodule of ``model`` carries a ``replicate``/``split`` annotation."""
+    return any(getattr(m, ATTR, None) for m in model.modules())
+
+
+def clear_annotations(model: nn.Module) -> None:
+    """Remove every annotation from ``model`` and its submodules (to annotate it afresh)."""
+    for m in model.modules():
+        m.__dict__.pop(ATTR, None)
+
+
+@dataclass
+class AnnotationPlan:
+    """What a model's annotations mean, independent of the world size.
+
+    Attributes:
+        stages: labels of the ``replicate`` scopes in stage order (empty: no replicate scope, one stage).
+        split_points: FQN of the first module of every stage after the first (pipeline ``split_points``).
+        tp: tensor-parallel degree (1 without ``split`` scopes).
+        tp_plan: ``{module FQN: style}`` for the Linear/Embedding modules inside ``split`` scopes.
+    """
+
+    stages: list[str]
+    split_points: list[str]
+    tp: int
+    tp_plan: dict[str, str]
+
+    @property
+    def pp(self) -> int:
+        return max(len(self.stages), 1)
+
+    @property
+    def devices_per_replica(self) -> int:
+        return self.pp * self.tp
+
+
+def plan_from_annotations(model: nn.Module) -> AnnotationPlan:
+    """Read ``model``'s annotations into an :class:`AnnotationPlan`.
+
+    Raises:
+        StrategyError: split scopes with different device counts, a replicate device count that is
+            neither 1 nor the split degree, or replicate scopes interleaved in module order.
+    """
+    eff = _effective(model)
+    splits = _distinct(s.get("split") for s in eff.values())
+    counts = sorted({s.device_count for s in splits})
+    if len(counts) > 1:
+        raise StrategyError(
+            "split scopes have different device counts ("
+            + ", ".join(f"'{s.label}': {s.device_count}" for s in splits)
+            + "); tensor parallelism is one mesh dimension, so give every split the same device_count."
+        )
+    tp = counts[0] if counts else 1
+    stages, split_points = _stages(model, eff)
+    for s in stages:
+        if s.device_count not in (1, tp):
+            hint = f"1 or {tp} (the split degree)" if tp > 1 else "1 (no split scope in the model)"
+            raise StrategyError(
+                f"replicate scope '{s.label}' has device_count={s.device_count}, but every pipeline stage runs on the "
+                f"same tensor-parallel group here, so a replicate stage uses {hint}; data parallelism over the other "
+                f"devices is derived from the world size. Use replicate(device_count=1)."
+            )
+    return AnnotationPlan([s.label for s in stages], split_points, tp, _tp_plan(model, eff, splits))
+
+
+def strategy_from_annotations(model: nn.Module, world_size: int, base: StrategyLike = None) -> Strategy:
+    """The :class:`Strategy` equivalent to ``model``'s annotations on ``world_size`` processes.
+
+    The derived methods are ``parallel_mode`` (``dp`` = world size / (pp x tp)), ``pipeline_parallel``
+    (``size``, ``split_points``) when there are several stages, and ``tensor_parallel`` (``size``, ``plan``)
+    when there are split scopes. ``base`` (any strategy form) is merged in: its other methods are appended,
+    and for a method both have, every config key ``base`` sets explicitly overrides the derived value (so
+    ``("tensor_parallel", {"plan": {...}})`` replaces the derived plan and ``("pipeline_parallel",
+    {"schedule": "1f1b"})`` keeps the derived split points); a data-parallel degree in ``base``'s
+    ``parallel_mode`` (``dp``/``dp_replicate``/``dp_shard``) replaces the derived ``dp``. With split scopes
+    and more than one model replica, ``fsdp`` is added unless ``base`` names a data-parallel method (DDP
+    cannot hold tensor-parallel parameters): the replicas then shard their parameters (ZeRO-3), which
+    computes the same as replication.
+
+    Raises:
+        StrategyError: the annotations are invalid (see :func:`plan_from_annotations`), or ``world_size``
+            is not a multiple of the devices one model replica needs.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise StrategyError(f"world_size must be a positive int, got {world_size!r}.")
+    plan = plan_from_annotations(model)
+    per_replica = plan.devices_per_replica
+    if world_size % per_replica:
+        raise StrategyError(
+            f"the annotations need {per_replica} devices per model replica ({plan.pp} pipeline stage(s) x "
+            f"tensor-parallel degree {plan.tp}), which does not divide the world size {world_size}; run on a "
+            f"multiple of {per_replica} processes or change the replicate/split scopes."
+        )
+    derived: dict[str, dict[str, Any]] = {"parallel_mode": {"dp": world_size // per_replica}}
+    if plan.pp > 1:
+        derived["pipeline_parallel"] = {"size": plan.pp, "split_points": plan.split_points}
+    if plan.tp > 1:
+        derived["tensor_parallel"] = {"size": plan.tp, "plan": plan.tp_plan}
+    base = Strategy.parse(base)
+    given = {e.name: config_to_dict(e.config) for e in base.entries if not e.implied}
+    pm = given.get("parallel_mode", {})
+    if any(k in pm for k in ("dp", "dp_replicate", "dp_shard")):
+        derived["parallel_mode"].pop("dp")
+    dp_method = any(resolve_name(n)[0].data_parallel for n in given)
+    if plan.tp > 1 and world_size > per_replica and not dp_method:
+        derived["fsdp"] = {}  # DDP cannot hold tensor-parallel DTensor parameters; FSDP2 can (2-D, as torchtitan)
+    items: list[Any] = [(n, {**cfg, **given.get(n, {})}) for n, cfg in derived.items()]
+    items += [(n, cfg) for n, cfg in given.items() if n not in derived]
+    return Strategy(items)
+
+
+# -- recording ---------------------------------------------------------------------------------------
+def _stack() -> list[Scope]:
+    if not hasattr(_local, "stack"):
+        _local.stack, _local.handles = [], []
+    return _local.stack
+
+
+def _record(module: nn.Module | None) -> None:
+    """Registration hook: a module registered while scopes are open belongs to them; the first record
+    wins (a module built in one scope and attached to its parent later keeps the scope it was built in)."""
+    stack = _stack()
+    if module is None or not stack or getattr(module, ATTR, None):
+        return
+    for scope in stack:
+        _mark(module, scope)
+
+
+def _check_free(module: nn.Module, scope: Scope) -> None:
+    old = (getattr(module, ATTR, None) or {}).get(scope.kind)
+    if old is not None and old != scope:
+        raise StrategyError(
+            f"{type(module).__name__} is already in {scope.kind} scope '{old.label}', so it cannot join "
+            f"'{scope.label}'; a module belongs to at most one replicate and one split scope "
+            "(torchloom.strategy.annotations.clear_annotations(module) removes the old ones)."
+        )
+
+
+def _mark(module: nn.Module, scope: Scope) -> None:
+    ann = dict(getattr(module, ATTR, None) or {})  # a new dict: modules never share one
+    ann[scope.kind] = scope
+    module.__dict__[ATTR] = ann  # a plain attribute: not a parameter, buffer or submodule
+
+
+def _check_count(kind: str, n: Any, minimum: int) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < minimum:
+        extra = " (split(1) splits nothing: use replicate(1))" if kind == "split" and n == 1 else ""
+        raise StrategyError(f"{kind}: device_count must be an int >= {minimum}, got {n!r}{extra}.")
+    return n
+
+
+# -- resolution --------------------------------------------------------------------------------------
+def _parent(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def _rep(ann: dict[str, Scope]) -> Scope | None:
+    return ann.get("replicate")
+
+
+def _distinct(scopes) -> list[Scope]:
+    out: list[Scope] = []
+    for s in scopes:
+        if s is not None and s not in out:
+            out.append(s)
+    return out
+
+
+def _effective(model: nn.Module) -> dict[str, dict[str, Scope]]:
+    """Scopes of every module (FQN, in module order): its own, else those shared by all its children (a
+    container built in a scope but attached to its parent outside it), merged over its parent's (inherited)."""
+    mods = dict(model.named_modules())
+    own: dict[str, dict[str, Scope]] = {}
+    for fqn in reversed(list(mods)):  # children before parents
+        ann = dict(getattr(mods[fqn], ATTR, None) or {})
+        kids = [own[k] for k in (f"{fqn}.{n}" if fqn else n for n, _ in mods[fqn].named_children()) if k in own]
+        if not ann and fqn and kids and kids[0] and all(k == kids[0] for k in kids):
+            ann = dict(kids[0])
+        own[fqn] = ann
+    eff: dict[str, dict[str, Scope]] = {}
+    for fqn in mods:
+        eff[fqn] = {**(eff[_parent(fqn)] if fqn else {}), **own[fqn]}
+    return eff
+
+
+def _stages(model: nn.Module, eff: dict[str, dict[str, Scope]]) -> tuple[list[Scope], list[str]]:
+    """Replicate scopes in the order their parameters appear, and the split points: for each stage after
+    the first, its outermost module that comes first after the previous stage's last parameter.
+
+    Raises:
+        StrategyError: a stage's parameters interleave with another's (A, B, A).
+    """
+    order: list[Scope] = []
+    points: list[str] = []
+    first_root: dict[Scope, str] = {}
+    for n, m in model.named_modules():
+        s = _rep(eff[n])
+        if s is None:
+            continue
+        if n and _rep(eff[_parent(n)]) != s:
+            first_root.setdefault(s, n)
+        if next(m.parameters(recurse=False), None) is None:
+            continue
+        if s in order and order[-1] != s:
+            raise StrategyError(
+                f"replicate scope '{s.label}' continues at '{n}' after scope '{order[-1].label}' began: pipeline "
+                "stages must be contiguous in module order. Annotate consecutive modules per stage."
+            )
+        if s not in order:
+            order.append(s)
+            if len(order) > 1:
+                points.append(first_root.get(s, n))
+        first_root.clear()  # later stages begin after this parameter
+    return order, points
+
+
+def _tp_plan(model: nn.Module, eff: dict[str, dict[str, Scope]], splits: list[Scope]) -> dict[str, str]:
+    """Default styles for the Linear/Embedding modules of each split scope (module docstring)."""
+    plan: dict[str, str] = {}
+    mods = dict(model.named_modules())
+    for scope in splits:
+        members = [n for n in mods if eff[n].get("split") == scope]
+        linears = [n for n in members if isinstance(mods[n], nn.Linear)]
+        plan.update({n: "vocab_embedding" for n in members if isinstance(mods[n], nn.Embedding)})
+        i = 0
+        while i < len(linears):
+            a = mods[linears[i]]
+            if i + 1 < len(linears) and a.out_features == mods[linears[i + 1]].in_features:
+                plan[linears[i]], plan[linears[i + 1]] = "colwise", "rowwise"
+                i += 2
+            else:
+                plan[linears[i]] = "colwise_gather"
+                i += 1
+    index = {n: i for i, n in enumerate(mods)}
+    return dict(sorted(plan.items(), key=lambda kv: index[kv[0]]))
