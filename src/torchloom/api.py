@@ -144,12 +144,17 @@ def auto_accelerate(
     _default_dims(ctx)
     ctx.mesh = ParallelMesh(ctx.dims, device.type)
     if ctx.mesh.dp_size > 1 and not any(type(m).data_parallel for m in methods):
-        strategy = strategy.with_method("ddp")
+        # DDP cannot hold tensor-parallel DTensor parameters: replicate them with FSDP2 instead (the mesh
+        # already put the data-parallel degree on dp_replicate, so nothing is sharded: DDP semantics)
+        name, spec = ("fsdp", ("fsdp", {"reshard_after_forward": False})) if "tensor_parallel" in strategy \
+            else ("ddp", "ddp")
+        strategy = strategy.with_method(spec)
         ctx.strategy = strategy
-        ddp = next(m for m in strategy.ordered() if type(m).name == "ddp")
-        ddp.configure(ctx)
-        methods = sorted([*methods, ddp], key=lambda m: type(m).stage)
-        ctx.note(f"no data-parallel method given for dp={ctx.mesh.dp_size}: added ddp")
+        added = next(m for m in strategy.ordered() if type(m).name == name)
+        added.configure(ctx)
+        methods = sorted([*methods, added], key=lambda m: type(m).stage)
+        ctx.note(f"no data-parallel method given for dp={ctx.mesh.dp_size}: added {name}"
+                 + (" over dp_replicate (DDP cannot hold tensor-parallel DTensors)" if name == "fsdp" else ""))
     _check_dims_used(ctx.mesh.dims, methods)
     if ctx.loss_scaler is not None:
         ctx.loss_scaler.group = None  # world: every rank must agree on skipping

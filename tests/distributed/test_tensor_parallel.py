@@ -57,6 +57,8 @@ FOUR_RANKS = {
                  dict(model="bert")),
     "gpt2_fsdp_2d": (dict(strategy=FSDP_2D, model="gpt2"), dict(model="gpt2")),
     "mixtral_fsdp_2d_sp": (dict(strategy=FSDP_2D + [SP], model="mixtral"), dict(model="mixtral")),
+    # dp=2 without a data-parallel method: fsdp over dp_replicate is added (ddp cannot hold DTensors)
+    "auto_dp": (dict(strategy=TP), dict()),
 }
 
 
@@ -96,7 +98,7 @@ def four_ranks():
     configs = [cfg for cfg, _ in FOUR_RANKS.values()]
     configs.append(dict(strategy=FSDP_2D, meta=True))
     c13 = {"tp2_fsdp2": FSDP_2D}
-    expect_error = [("parallel_mode", {"dp": 2, "tp": 2}), "tensor_parallel"]
+    expect_error = [("parallel_mode", {"dp": 2, "tp": 2}), "tensor_parallel", "ddp"]
     return run_ranks(suite, 4, configs, c13=c13, expect_error=expect_error, timeout=900)
 
 
@@ -214,12 +216,13 @@ def test_dp_x_tp_and_tp4_match_reference_4ranks(four_ranks):
     assert "dp_shard=2" in " ".join(notes["fsdp_2d"]["notes"])
     assert notes["fsdp_2d"]["layouts"]["placements"]["model.layers.0.self_attn.q_proj.weight"] == ("_S(0, 2)", "S(0)")
     assert "tp=4" in " ".join(notes["gpt2_tp4"]["notes"])
+    assert "added fsdp over dp_replicate" in " ".join(notes["auto_dp"]["notes"])
 
 
 @pytest.mark.distributed
 def test_meta_init_and_ddp_refusal_4ranks(four_ranks):
     """A meta-device model is sharded by TP and FSDP, then materialised shard by shard (sane init, same on
-    every rank); dp > 1 with tensor_parallel and no fsdp would add ddp, which is refused with the fix."""
+    every rank); dp > 1 with tensor_parallel and an explicit ddp is refused with the fix."""
     meta = four_ranks[0]["train"][len(FOUR_RANKS)]
     losses = torch.tensor(meta["losses"])
     assert torch.isfinite(losses).all() and abs(losses[0] - torch.log(torch.tensor(128.0))) < 0.5

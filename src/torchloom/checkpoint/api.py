@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torchloom.checkpoint import commit
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
 from torchloom.checkpoint.state import (
     canonical_key,
     clear_optimizer_state,
@@ -337,9 +339,13 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike) -> Path:
     are stored once (the first registered name, e.g. ``model.embed_tokens.weight`` of a Llama with tied
     embeddings, as Hugging Face does) and recorded in the file's metadata for :func:`load_safetensors`.
     Returns ``path`` on every rank.
+
+    A pipelined model (``PipelinedModel``: each rank holds only its stages) is gathered from every stage:
+    each rank takes the full values of its own parameters (tensor-parallel/FSDP shards gathered), and the
+    lowest rank holding a name sends it to rank 0, so the file holds the whole model.
     """
     path = Path(path)
-    sd = full_model_state(model)
+    sd = _pipelined_full_state(model) if _is_pipelined(model) else full_model_state(model)
     groups = tied_groups(model)
 
     def _write() -> str:
@@ -347,6 +353,33 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike) -> Path:
         return str(_write_safetensors(tensors, tied, path))
 
     return Path(commit.broadcast_from_rank0(_write))
+
+
+def _is_pipelined(model: nn.Module) -> bool:
+    from torchloom.parallel.pipeline.model import PipelinedModel
+
+    return isinstance(model, PipelinedModel) and _distributed()
+
+
+def _pipelined_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's full CPU state dict on rank 0 ({} elsewhere), gathered from every pipeline stage.
+
+    Collective. Every rank holds full copies of its stages only (a few times the stage size in memory);
+    one rank per name sends it, chosen from an exchange of the key lists.
+    """
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    comps = wrapper_components(model)
+    local = {canonical_key(k, comps): v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    keys: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, sorted(local))
+    sender = {}
+    for r, names in reversed(list(enumerate(keys))):  # the lowest rank holding a name wins
+        sender.update(dict.fromkeys(names, r))
+    rank = dist.get_rank()
+    mine = {k: v.detach().cpu() for k, v in local.items() if sender[k] == rank}
+    parts: list[Any] = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()} if rank == 0 else {}
 
 
 def load_safetensors(model: nn.Module, path: str | os.PathLike, strict: bool = True):

@@ -284,10 +284,15 @@ class TrainConfig:
                               "parallel.tp > 1 as well.")
         dims = {k: getattr(p, k) for k in ("pp", "dp_replicate", "dp_shard", "tp")
                 if getattr(p, k) is not None and getattr(p, k) != 1}
+        strategy = list(self.strategy)
+        if self.ddp_swapped_for_fsdp():
+            strategy[strategy.index("ddp")] = "fsdp"
+            if p.dp_shard is None:  # replicate, as DDP does: dp_replicate takes the rest of the world
+                dims["dp_shard"] = 1
         names = [m if isinstance(m, str) else next(iter(m)) if isinstance(m, Mapping) else m[0]
-                 for m in self.strategy]
+                 for m in strategy]
         if not dims and not p.sequence_parallel and not p.loss_parallel:
-            return list(self.strategy)
+            return strategy
         if "parallel_mode" in names:
             raise ConfigError(f"the parallel section ({dims}) and a parallel_mode entry in strategy both set mesh "
                               "degrees; keep one of them.")
@@ -299,7 +304,18 @@ class TrainConfig:
         for flag in ("sequence_parallel", "loss_parallel"):
             if getattr(p, flag) and flag not in names:
                 out.append(flag)
-        return out + list(self.strategy)
+        return out + strategy
+
+    def ddp_swapped_for_fsdp(self) -> bool:
+        """True when :meth:`full_strategy` runs ``fsdp`` in place of the ``ddp`` written in ``strategy``.
+
+        DDP cannot hold the DTensor parameters of tensor parallelism, so with ``parallel.tp > 1`` a plain
+        ``ddp`` entry (no options) becomes ``fsdp`` over a replicate-only mesh (``dp_shard: 1``,
+        ``dp_replicate`` = the rest unless ``parallel.dp_shard`` is set): every data-parallel rank keeps
+        the whole (tp-sharded) parameters and gradients are averaged once per step, which is what DDP
+        does. A ``ddp`` with options is kept, and the strategy check then names the conflict.
+        """
+        return self.parallel.tp > 1 and "ddp" in self.strategy
 
 
 # ----------------------------------------------------------------------------------------- files
