@@ -172,3 +172,28 @@ def test_checkpoint_roundtrip_and_load_into_unpipelined_model(tmp_path):
     names = {id(p): n for n, p in model.named_parameters()}
     for p in model.parameters():
         assert torch.equal(opt.state[p]["momentum_buffer"], momentum[names[id(p)]])
+
+
+@pytest.mark.distributed
+def test_pp_x_dp_x_tp_8ranks():
+    """The full 3-D product on 8 gloo processes (pp=2 x dp=2 x tp=2): FSDP2 over dp_shard with TP DTensors in
+    each pipeline stage (with sequence parallel and activation checkpointing), and dp over dp_replicate
+    without a data-parallel method (fsdp is added). Same tolerances as above."""
+    data = W.token_data(STEPS, GB, 2)  # dp=2 x 2 train_step calls of 2 rows per step
+    mode = {"pp": 2, "tp": 2}
+    configs = {
+        "pp_fsdp_tp_sp_ac": dict(strategy=[("parallel_mode", {**mode, "dp_shard": 2}), "pipeline_parallel",
+                                           "tensor_parallel", "sequence_parallel", "checkpoint", "fsdp"], data=data),
+        "pp_replicate_tp": dict(strategy=[("parallel_mode", {**mode, "dp_replicate": 2}), "pipeline_parallel",
+                                          "tensor_parallel"], data=data, max_grad_norm=0.5),
+    }
+    outs = run_ranks(W.pp_train_many, 8, [dict(tag=k, **v) for k, v in configs.items()], timeout=900)
+    runs = {k: [o[i] for o in outs] for i, k in enumerate(configs)}
+    for tag, cfg in configs.items():
+        ref = W.reference("llama", cfg["data"], 2, max_grad_norm=cfg.get("max_grad_norm"))
+        _check(tag, runs[tag], ref)
+        assert runs[tag][0]["mesh"] == {"pp": 2, "dp_replicate": 2 if "replicate" in tag else 1,
+                                        "dp_shard": 1 if "replicate" in tag else 2, "ep": 1, "tp": 2}
+    for r in runs["pp_replicate_tp"]:
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(
+            W.reference("llama", data, 2, max_grad_norm=0.5)["norms"]), rtol=1e-5, atol=0)

@@ -96,7 +96,7 @@ def build_pipeline(ctx, c, signature: inspect.Signature) -> None:
             ctx.pre_step_hooks.append(ties.sum_gradients)
         driver = PipelineDriver(family=family, specs=local, parts=parts, modules=modules, signature=signature,
                                 schedule=c.schedule, num_microbatches=n_mb, pp_group=group, device=ctx.device,
-                                ties=ties)
+                                ties=ties, mesh=ctx.mesh)
         container.parts = list(ctx.parts)
         container.pipeline = driver
 

@@ -118,15 +118,17 @@ class PipelineDriver:
         pp_group / device: the pipeline process group and this rank's device.
         ties: the :class:`~torchloom.parallel.pipeline.tied.TiedWeights` of weights tied across stages, or None
             (``train_step`` counts their copies once in the gradient norm).
+        mesh: the :class:`~torchloom.parallel.mesh.ParallelMesh`: stages exchanging DTensor activations
+            (sequence parallel) look their sub-mesh up by dimension names there.
         cache_size: schedules (one per input shape) kept.
     """
 
     def __init__(self, *, family: Family, specs: list[StageSpec], parts: dict[int, nn.Module],
                  modules: dict[int, nn.Module], signature: inspect.Signature, schedule: str, num_microbatches: int,
-                 pp_group, device: torch.device, ties: Any = None, cache_size: int = 8):
+                 pp_group, device: torch.device, ties: Any = None, cache_size: int = 8, mesh: Any = None):
         self.family, self.specs, self.parts, self.modules, self.ties = family, specs, parts, modules, ties
         self.signature, self.schedule_name, self.num_microbatches = signature, schedule, num_microbatches
-        self.pp_group, self.device, self.cache_size = pp_group, device, cache_size
+        self.pp_group, self.device, self.cache_size, self.mesh = pp_group, device, cache_size, mesh
         self.num_stages = specs[0].num_stages
         self.has_first = any(s.is_first for s in specs)
         self.last = next((s.index for s in specs if s.is_last), None)
@@ -135,6 +137,13 @@ class PipelineDriver:
         #: keyword inputs each local stage used in the last call: ``{stage: sorted names}``
         self.routed: dict[int, list[str]] = {}
         self.loss_inputs_seen: list[str] = []
+
+    def _get_mesh(self, mesh_dim_names: tuple[str, ...], mesh_layout: Any = None):
+        """``PipelineStage``'s DTensor metadata names a mesh by its dimensions (``("tp",)`` for sequence-parallel
+        activations); the mesh object owns it, so no new process group is created."""
+        if self.mesh is None:
+            raise RuntimeError(f"a pipeline stage received a DTensor on mesh {mesh_dim_names} but no mesh was given")
+        return self.mesh[mesh_dim_names[0] if len(mesh_dim_names) == 1 else tuple(mesh_dim_names)]
 
     # ------------------------------------------------------------------------------------------------
     def run(self, batch: Any, model_input_format: str | None, loss_fn: LossFn, backward: bool) -> dict[str, Any]:
@@ -219,7 +228,7 @@ class PipelineDriver:
         name, kind, _ = SCHEDULES[self.schedule_name]
         cls = getattr(pipelining, name)
         stages = [_Stage(self.parts[s.index], s.index, self.num_stages, self.device, group=self.pp_group,
-                         adapter=self.adapter) for s in self.specs]
+                         adapter=self.adapter, get_mesh=self._get_mesh) for s in self.specs]
         common = dict(n_microbatches=self.num_microbatches, loss_fn=self.adapter, scale_grads=False)
         schedule = cls(stages[0], **common) if kind == "single" else cls(stages, **common)
         self._schedules[key] = schedule
