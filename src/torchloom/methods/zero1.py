@@ -30,6 +30,12 @@ class Zero1(Method):
 
     def wrap_optimizer(self, ctx) -> None:
         opt = ctx.optimizer
+        if hasattr(opt, "first_step") and hasattr(opt, "second_step"):
+            raise NotImplementedError(
+                f"zero1 cannot shard {type(opt).__name__}: a two-pass (SAM-style) optimizer wraps a base optimizer, "
+                "and ZeroRedundancyOptimizer rebuilds the optimizer from its class alone. Use fsdp (zero2/zero3), "
+                "which shards the base optimizer's state, or ddp without zero1."
+            )
         if len(opt.param_groups) > 1:
             raise NotImplementedError(
                 "zero1 supports a single parameter group (ZeroRedundancyOptimizer rebuilds the optimizer from one "
