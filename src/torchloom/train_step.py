@@ -3,6 +3,7 @@ clipping and the optimizer step, for any strategy."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -102,6 +103,11 @@ class TrainStep:
 
     Attributes after an optimizer step: ``last_grad_norm`` (fp32, global, before clipping, or None),
     ``last_step_skipped`` (fp16 overflow), ``optimizer_steps``.
+
+    Two-pass optimizers (:class:`torchloom.optim.WSAM`, SAM-like ones with ``first_step``/``second_step``):
+    the window's micro-batches are kept and replayed once more at the perturbed weights at the optimizer
+    step (2x forward/backward; docs/optim/wsam.md). Not supported with pipeline parallelism or fp16 loss
+    scaling (NotImplementedError at construction).
     """
 
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, loss_func: Callable,
@@ -135,6 +141,10 @@ class TrainStep:
         self._count = 0.0  # items summed over the current accumulation window (SumLoss)
         self._sum_mode: bool | None = None
         self._pipeline = _pipeline_driver(model)  # drives the schedule when the model is pipelined
+        self._two_pass = _is_two_pass(optimizer)  # WSAM/SAM: the window is replayed at perturbed weights
+        self._window: list[Any] = []  # this window's prepared micro-batches (two-pass optimizers only)
+        if self._two_pass:
+            self._check_two_pass()
 
     # ------------------------------------------------------------------------------------------------
     def __call__(self, batch: Any) -> torch.Tensor:
@@ -142,7 +152,19 @@ class TrainStep:
             return self._pipeline_call(batch)
         sync = (self.micro_step + 1) % self.grad_accum_steps == 0
         batch = self.prepare_input(batch, self.device)
-        with self._maybe_no_sync(sync), contextlib.ExitStack() as stack:
+        if self._two_pass:
+            self._window.append(batch)
+            report = self._forward_backward(batch, self._first_pass_sync(sync))
+        else:
+            report = self._forward_backward(batch, self._maybe_no_sync(sync))
+        self.micro_step += 1
+        if sync:
+            self.step()
+        return report
+
+    def _forward_backward(self, batch: Any, sync_context: Any) -> torch.Tensor:
+        """Forward, loss and backward of one prepared micro-batch; returns the loss to report."""
+        with sync_context, contextlib.ExitStack() as stack:
             for make_context in self.step_contexts:
                 stack.enter_context(make_context())
             output = call_model(self.model, batch, self.model_input_format)
@@ -163,9 +185,6 @@ class TrainStep:
                         "strategy: ('ddp', {'find_unused_parameters': True})."
                     ) from e
                 raise
-        self.micro_step += 1
-        if sync:
-            self.step()
         return report
 
     def _loss(self, batch, output) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,6 +303,8 @@ class TrainStep:
 
     def step(self) -> None:
         """Unscale, normalise (SumLoss), clip, step the optimizer and scheduler, zero the gradients."""
+        if self._two_pass:
+            return self._two_pass_step()
         params = self._params()
         for hook in self.pre_step_hooks:
             hook(params)
@@ -319,6 +340,74 @@ class TrainStep:
             if p.grad is not None:
                 p.grad.mul_(factor)
 
+    # ------------------------------------------------------------------------------------------------ two-pass
+    # WSAM (torchloom.optim.WSAM) and SAM-like optimizers need the gradient at perturbed weights: the window's
+    # micro-batches are kept and replayed at the optimizer step (docs/optim/wsam.md, "train_step").
+    def _check_two_pass(self) -> None:
+        name = type(self.optimizer).__name__
+        if self._pipeline is not None:
+            raise NotImplementedError(
+                f"{name} (two forward/backward passes per step) is not supported with pipeline parallelism: the "
+                "schedule runs forward and backward together, so the window cannot be replayed at perturbed "
+                "weights. Use data/tensor parallelism, or a one-pass optimizer.")
+        if self.loss_scaler is not None:
+            raise NotImplementedError(
+                f"{name} is not supported with fp16 loss scaling (an overflow in either pass would have to skip "
+                "both); use amp with dtype bfloat16, which needs no loss scaler.")
+
+    def _replicated_ddp(self) -> DistributedDataParallel | None:
+        """The DDP model when the first pass can keep each replica's own gradient (``no_sync``; not with
+        ``static_graph``, see ``_maybe_no_sync``), else None: the perturbation then uses averaged gradients
+        (FSDP's sharded weights are one copy for all ranks, so they cannot be perturbed per replica)."""
+        m = self.model
+        if isinstance(m, DistributedDataParallel) and not getattr(m, "static_graph", False) and self.dp_size > 1 \
+                and "replica_group" in inspect.signature(self.optimizer.first_step).parameters:
+            return m
+        return None
+
+    def _first_pass_sync(self, sync: bool):
+        ddp = self._replicated_ddp()
+        return ddp.no_sync() if ddp is not None else self._maybe_no_sync(sync)
+
+    def _two_pass_step(self) -> None:
+        """First-pass gradients (accumulated) -> ``first_step`` -> replay the window at ``w + e`` (BatchNorm
+        statistics frozen; gradients averaged over dp as usual) -> clip and update. SumLoss normalisation
+        applies to both passes; ``max_grad_norm`` clips the gradient the base optimizer steps on."""
+        from .optim.wsam import frozen_running_stats
+
+        params, opt = self._params(), self.optimizer
+        for hook in self.pre_step_hooks:
+            hook(params)
+        count = self._count
+        if self._sum_mode:  # a global scalar: the perturbation direction does not change
+            self._normalise_by_global_count(params)
+        ddp = self._replicated_ddp()
+        if ddp is not None:
+            opt.first_step(zero_grad=True, replica_group=ddp.process_group)
+        else:
+            opt.first_step(zero_grad=True)
+        window, self._window = self._window, []
+        with frozen_running_stats(self.model):
+            for i, batch in enumerate(window):
+                self._forward_backward(batch, self._maybe_no_sync(i == len(window) - 1))
+        for hook in self.pre_step_hooks:
+            hook(params)
+        if self._sum_mode:
+            self._count = count
+            self._normalise_by_global_count(params)
+        if "max_norm" in inspect.signature(opt.step).parameters:  # torchloom WSAM: clips its final gradient
+            opt.step(max_norm=self.max_grad_norm)
+            self.last_grad_norm = opt.last_grad_norm
+        else:  # a SAM-like optimizer: the second-pass gradient is the one it steps on
+            if self.max_grad_norm is not None:
+                self.last_grad_norm = clip_grad_norm_(params, self.max_grad_norm, extra_groups=self.grad_norm_groups)
+            opt.second_step()
+        self.last_step_skipped = False
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.optimizer_steps += 1
+        opt.zero_grad(set_to_none=True)
+
     # ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Counters and loss-scaler state (plain data; part of every torchloom checkpoint).
@@ -347,8 +436,14 @@ class TrainStep:
             )
         self.optimizer_steps = int(state["optimizer_steps"])
         self.micro_step = self.optimizer_steps * self.grad_accum_steps
+        self._window = []
         if self.loss_scaler is not None and state.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+
+def _is_two_pass(optimizer: Any) -> bool:
+    """Whether the optimizer takes two forward/backward passes per step (``first_step``/``second_step``)."""
+    return callable(getattr(optimizer, "first_step", None)) and callable(getattr(optimizer, "second_step", None))
 
 
 def _pipeline_driver(model: nn.Module) -> Any:
