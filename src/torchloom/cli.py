@@ -197,12 +197,8 @@ def _check_fits(cfg, kw: dict) -> None:
     would otherwise surface as one traceback per rank after the corpus is loaded)."""
     nproc, nnodes = str(kw.get("nproc")), str(kw.get("nnodes") or "1")
     if not nproc.isdigit() or not nnodes.isdigit():
-        return  # auto / elastic ranges: the workers check it
-    from .api import plan_dims
-    from .data import plan_batches
-
-    dims = plan_dims(cfg.full_strategy(), int(nproc) * int(nnodes))
-    plan_batches(cfg.train.global_batch, cfg.train.micro_batch, dims.dp)
+        return  # auto / elastic ranges: the workers check it (Job.setup)
+    cfg.check_fits(int(nproc) * int(nnodes))
 
 
 # ----------------------------------------------------------------------------------------- check

@@ -111,3 +111,47 @@ def test_parallel_section_expands_to_methods():
 def test_parallel_section_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
         TrainConfig.load(None, overrides)
+
+
+def test_tensor_parallel_swaps_ddp_for_replicating_fsdp():
+    """DDP cannot hold DTensor parameters: with tp > 1 the default `[ddp]` becomes fsdp over the replicate
+    dimension (dp_shard 1), i.e. DDP's semantics; pipeline parallelism alone keeps ddp."""
+    from torchloom.api import plan_dims
+
+    cfg = TrainConfig.load(None, ["parallel.tp=2", "parallel.pp=2"])
+    assert cfg.ddp_swapped_for_fsdp()
+    assert cfg.full_strategy() == [{"parallel_mode": {"pp": 2, "tp": 2, "dp_shard": 1}},
+                                   {"pipeline_parallel": {"schedule": "1f1b", "num_microbatches": None}},
+                                   "tensor_parallel", "fsdp"]
+    dims = plan_dims(cfg.full_strategy(), 8)
+    assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 2, 1, 2)
+
+    pp_only = TrainConfig.load(None, ["parallel.pp=2"])
+    assert not pp_only.ddp_swapped_for_fsdp() and pp_only.full_strategy()[-1] == "ddp"
+    sharded = TrainConfig.load(None, ["parallel.tp=2", "parallel.dp_shard=2"])  # an explicit dp_shard is kept
+    assert sharded.full_strategy() == [{"parallel_mode": {"dp_shard": 2, "tp": 2}}, "tensor_parallel", "fsdp"]
+    with pytest.raises(ConfigError, match="DistributedDataParallel cannot hold"):  # ddp with options: not swapped
+        TrainConfig.load(None, ["parallel.tp=2", "strategy=[{ddp: {bucket_cap_mb: 10}}]"])
+
+
+def test_flash_checkpoints_with_tensor_parallel_are_rejected():
+    with pytest.raises(ConfigError, match="flash checkpoints.*tensor-parallel"):
+        TrainConfig.load(None, ["parallel.tp=2", "checkpoint.blocking=false"])
+    TrainConfig.load(None, ["parallel.pp=2", "checkpoint.blocking=false"])  # no DTensors: fine
+
+
+@pytest.mark.parametrize("overrides, world, match", [
+    (["parallel.tp=2", "parallel.pp=2"], 2, "world size 2 is not divisible"),
+    (["parallel.tp=2", "parallel.pp=2", "train.global_batch=6"], 8, "does not split into 2 pipeline micro-batches"),
+    (["parallel.pp=2", "parallel.pp_microbatches=4", "train.global_batch=4"], 4, "into 4 pipeline micro-batches"),
+    (["train.global_batch=7"], 2, "not divisible by the data-parallel size 2"),
+])
+def test_check_fits_rejects_what_the_world_cannot_run(overrides, world, match):
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig.load(None, overrides).check_fits(world)
+
+
+def test_check_fits_accepts_the_documented_layouts():
+    TrainConfig.load(None, ["parallel.tp=2", "parallel.pp=2"]).check_fits(4)  # global 16 -> micro 16 / 2 mb
+    TrainConfig.load("smoke", ["parallel.tp=2", "parallel.pp=2"]).check_fits(4)  # micro 2 -> 2 x 1
+    TrainConfig().check_fits(2)

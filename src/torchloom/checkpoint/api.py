@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from torchloom.checkpoint import commit
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from torchloom.checkpoint.state import (
     canonical_key,

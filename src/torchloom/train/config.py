@@ -148,6 +148,8 @@ class ParallelConfig:
     methods (``parallel: {tp: 2, pp: 2}`` on 4 processes). Data parallelism takes the rest of the world.
 
     tp: tensor-parallel degree (Megatron column/row split of attention and MLP; docs/methods/tensor_parallel.md).
+        With tp > 1 a plain ``ddp`` in ``strategy`` runs as replicating ``fsdp`` (see
+        :meth:`TrainConfig.ddp_swapped_for_fsdp`); flash checkpoints (``checkpoint.blocking: false``) are refused.
     pp: pipeline-parallel degree (stages; docs/methods/pipeline_parallel.md).
     dp_replicate / dp_shard: data-parallel degrees (None = the rest: dp_shard with fsdp, else dp_replicate).
     sequence_parallel / loss_parallel: add those methods (need tp > 1).
@@ -260,11 +262,45 @@ class TrainConfig:
         from ..strategy.strategy import Strategy
 
         try:
-            Strategy.parse(self.full_strategy())
+            strategy = Strategy.parse(self.full_strategy())
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - surface the strategy's own message
             raise ConfigError(f"strategy={self.full_strategy()!r} is invalid: {e}") from e
+        if not self.checkpoint.blocking and "tensor_parallel" in strategy:
+            # the flash snapshot/saver rebuilds DTensors on meshes of its own, which fails for FSDP's strided
+            # shards over tp and hangs when ranks hold different tp meshes (pipeline stages, dp groups)
+            raise ConfigError("checkpoint.blocking: false (flash checkpoints) does not support tensor-parallel "
+                              "(DTensor) parameters yet; use checkpoint.blocking: true with parallel.tp > 1 "
+                              "(pipeline parallelism alone works with flash checkpoints).")
+
+    def check_fits(self, world_size: int) -> None:
+        """Check that the mesh degrees and the batch split fit ``world_size`` processes, before any starts.
+
+        Raises:
+            ConfigError: degrees that do not divide ``world_size``, a global batch that does not split over
+                the data-parallel ranks, or (pipeline parallel) a per-rank micro-batch that does not divide
+                into the pipeline micro-batches.
+        """
+        from ..api import plan_dims
+        from ..data import plan_batches
+        from ..errors import TorchloomError
+        from ..strategy.strategy import Strategy
+
+        strategy = self.full_strategy()
+        try:
+            dims = plan_dims(strategy, world_size)
+            plan = plan_batches(self.train.global_batch, self.train.micro_batch, dims.dp)
+        except TorchloomError as e:
+            raise ConfigError(str(e)) from e
+        pc = Strategy.parse(strategy).config("pipeline_parallel")
+        if pc is not None and dims.pp > 1:
+            n = pc.num_microbatches or dims.pp * pc.virtual  # the method's default: one per stage
+            if plan.micro_batch_size % n:
+                raise ConfigError(
+                    f"the per-rank micro-batch of {plan.micro_batch_size} sequences (train.micro_batch, or "
+                    f"train.global_batch / {dims.dp} data-parallel ranks) does not split into {n} pipeline "
+                    f"micro-batches; make it a multiple of {n} or set parallel.pp_microbatches to a divisor of it.")
 
     def full_strategy(self) -> list[Any]:
         """``strategy`` with the ``parallel`` section's methods added (parallel_mode first).

@@ -155,6 +155,11 @@ class Job:
             (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         self.log(f"output dir {self.out}; {self.world} process(es) on {self.device.type}, "
                  f"{torch.get_num_threads()} thread(s) each; strategy {cfg.full_strategy()}")
+        if cfg.ddp_swapped_for_fsdp():
+            self.log("  ddp -> fsdp with dp_shard=1: DDP cannot hold tensor-parallel (DTensor) parameters; fsdp over "
+                     "the replicate dimension keeps DDP's semantics (whole parameters per data-parallel rank, "
+                     "gradients averaged once per step)")
+        cfg.check_fits(self.world)  # `loom train` checked it for a fixed --nproc; --no-launch / auto not yet
 
         self.corpus = prepare_corpus(cfg.data.eval_plays, cfg.model.vocab_size, cfg.data.cache_dir, log=self.log)
         c = self.corpus
@@ -214,16 +219,24 @@ class Job:
         """Mean held-out loss per token over a fixed, evenly spaced subset of the held-out windows (the
         same subset for any number of ranks, which split it); same value on every rank. Collective: every
         rank runs the same number of forwards, as FSDP requires. Data-parallel ranks split the windows;
-        tensor/pipeline peers evaluate the same ones (their duplicate sums cancel in the ratio)."""
+        tensor/pipeline peers evaluate the same ones (their duplicate sums cancel in the ratio). Under
+        pipeline parallelism every eval batch is a multiple of the schedule's micro-batches (the subset is
+        trimmed to a multiple of dp x micro-batches)."""
         cfg, res = self.cfg.eval, self.res
         dp_rank, dp = res.mesh.dp_rank, res.mesh.dp_size
+        from torchloom.parallel.pipeline.model import PipelinedModel
+
+        # a pipelined forward splits every batch into the schedule's micro-batches: keep each a multiple of them
+        micro = res.model.pipeline.num_microbatches if isinstance(res.model, PipelinedModel) else 1
         n = len(self.eval_ds)
         want = n if cfg.batches is None else min(n, cfg.batches * cfg.batch_size)
-        want -= want % dp
+        want -= want % (dp * micro)
         if want == 0:
-            raise ConfigError(f"the held-out set has {n} windows, fewer than the {dp} data-parallel ranks.")
+            raise ConfigError(f"the held-out set has {n} windows, fewer than the {dp} data-parallel ranks x "
+                              f"{micro} pipeline micro-batches.")
         idx = torch.linspace(0, n - 1, want).round().long()[dp_rank::dp]
-        bs = max(1, -(-cfg.batch_size // dp))  # this rank's share of one eval batch
+        share = max(1, -(-cfg.batch_size // dp))  # this rank's share of one eval batch
+        bs = -(-share // micro) * micro
         was_training = res.model.training
         res.model.eval()
         total = torch.zeros((), dtype=torch.float64)
