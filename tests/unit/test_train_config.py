@@ -155,3 +155,22 @@ def test_check_fits_accepts_the_documented_layouts():
     TrainConfig.load(None, ["parallel.tp=2", "parallel.pp=2"]).check_fits(4)  # global 16 -> micro 16 / 2 mb
     TrainConfig.load("smoke", ["parallel.tp=2", "parallel.pp=2"]).check_fits(4)  # micro 2 -> 2 x 1
     TrainConfig().check_fits(2)
+
+
+def test_optimizer_choice():
+    """train.optimizer selects AdamW, AGD or WSAM(AdamW) with the same decay split (no decay on 1-D)."""
+    import torch
+
+    from torchloom.optim import AGD, WSAM
+    from torchloom.train.job import adamw
+
+    params = [torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))]
+    kw = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    agd = adamw(params, optimizer="agd", agd_delta=1e-14, **kw)
+    assert isinstance(agd, AGD) and agd.param_groups[0]["delta"] == 1e-14
+    assert [g["weight_decay"] for g in agd.param_groups] == [0.1, 0.0]
+    wsam = adamw(params, optimizer="wsam", wsam_rho=0.1, wsam_gamma=0.8, **kw)
+    assert isinstance(wsam, WSAM) and wsam.param_groups[0]["rho"] == 0.1
+    assert [g["weight_decay"] for g in wsam.param_groups] == [0.1, 0.0]
+    with pytest.raises(ConfigError, match="train.optimizer='sgd' is not one of"):
+        TrainConfig.load(None, ["train.optimizer=sgd"])

@@ -58,13 +58,19 @@ class DataConfig:
     num_workers: int = 0
 
 
+OPTIMIZERS = ("adamw", "agd", "wsam")
+
+
 @dataclass
 class OptimConfig:
-    """Optimisation: AdamW (no weight decay on 1-D parameters), linear warmup then cosine decay to
-    ``min_lr_ratio * lr``.
+    """Optimisation: AdamW, AGD or WSAM (no weight decay on 1-D parameters), linear warmup then cosine
+    decay to ``min_lr_ratio * lr``.
 
     global_batch: sequences per optimizer step over all ranks. micro_batch: sequences per rank per
     forward (None = global_batch / ranks, no accumulation).
+    optimizer: ``adamw``; ``agd`` (torchloom.optim.AGD with ``betas``/``weight_decay`` and ``agd_delta``; the
+    paper suggests delta 1e-14 and about a tenth of AdamW's lr for Transformers); ``wsam`` (torchloom.optim.WSAM
+    around AdamW with ``wsam_rho``/``wsam_gamma``; two forward/backward passes per step).
     """
 
     global_batch: int = 16
@@ -78,6 +84,10 @@ class OptimConfig:
     beta2: float = 0.95
     max_grad_norm: float | None = 1.0
     seed: int = 0
+    optimizer: str = "adamw"
+    agd_delta: float = 1e-14
+    wsam_rho: float = 0.05
+    wsam_gamma: float = 0.9
 
 
 @dataclass
@@ -233,6 +243,12 @@ class TrainConfig:
         for name in ("warmup",):
             if getattr(t, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 0.")
+        if t.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer={t.optimizer!r} is not one of {list(OPTIMIZERS)}."
+                              + did_you_mean(t.optimizer, list(OPTIMIZERS)))
+        if not t.agd_delta > 0 or not t.wsam_rho >= 0 or not 0 <= t.wsam_gamma < 1:
+            raise ConfigError(f"train.agd_delta={t.agd_delta} must be > 0, train.wsam_rho={t.wsam_rho} >= 0 and "
+                              f"train.wsam_gamma={t.wsam_gamma} in [0, 1).")
         if not t.lr > 0:
             raise ConfigError(f"train.lr={t.lr} must be > 0.")
         if not 0 <= t.min_lr_ratio <= 1:

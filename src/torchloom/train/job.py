@@ -56,16 +56,28 @@ def causal_lm_loss(batch: dict[str, torch.Tensor], output: Any):
     return SumLoss(total, (labels != -100).sum())
 
 
-def adamw(params, *, lr: float, weight_decay: float, betas: tuple[float, float], split_decay: bool = True):
-    """AdamW; with ``split_decay`` 1-D parameters (norm weights, biases) get no weight decay."""
+def adamw(params, *, lr: float, weight_decay: float, betas: tuple[float, float], split_decay: bool = True,
+          optimizer: str = "adamw", agd_delta: float = 1e-14, wsam_rho: float = 0.05, wsam_gamma: float = 0.9):
+    """The job's optimizer (``optimizer``: adamw, agd or wsam around AdamW); with ``split_decay`` 1-D
+    parameters (norm weights, biases) get no weight decay."""
     params = list(params)
     if split_decay:
         decay = [p for p in params if p.ndim >= 2]
         rest = [p for p in params if p.ndim < 2]
         groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                               {"params": rest, "weight_decay": 0.0}) if g["params"]]
-        return torch.optim.AdamW(groups, lr=lr, betas=betas)
-    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        kw = {}
+    else:
+        groups, kw = params, {"weight_decay": weight_decay}
+    if optimizer == "agd":
+        from torchloom.optim import AGD
+
+        return AGD(groups, lr=lr, betas=betas, delta=agd_delta, **kw)
+    if optimizer == "wsam":
+        from torchloom.optim import WSAM
+
+        return WSAM(groups, torch.optim.AdamW, rho=wsam_rho, gamma=wsam_gamma, lr=lr, betas=betas, **kw)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, **kw)
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float):
@@ -184,7 +196,8 @@ class Job:
         self.res = torchloom.auto_accelerate(
             model, adamw, self.train_ds, causal_lm_loss, strategy=strategy,
             optim_args={"lr": t.lr, "weight_decay": t.weight_decay, "betas": (t.beta1, t.beta2),
-                        "split_decay": "zero1" not in strategy},
+                        "split_decay": "zero1" not in strategy, "optimizer": t.optimizer, "agd_delta": t.agd_delta,
+                        "wsam_rho": t.wsam_rho, "wsam_gamma": t.wsam_gamma},
             dataloader_args={"batch_size": t.global_batch, "micro_batch_size": t.micro_batch,
                              "num_workers": cfg.data.num_workers, "shuffle": True, "drop_last": True},
             model_input_format="unpack_dict",
