@@ -15,10 +15,15 @@ SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 
 
 # -- models ------------------------------------------------------------------------------------------
-def annotated_llama(annotate: bool = True):
-    """Tiny 2-layer HF Llama; stage 0 = embedding + layer 0, stage 1 = layer 1 + norm + head (function form)."""
+def annotated_llama(annotate: bool = True, split: str | None = None):
+    """Tiny 2-layer HF Llama; stage 0 = embedding + layer 0, stage 1 = layer 1 + norm + head (function form).
+    ``split="mlp"``/``"layers"``: instead, every layer's MLP / every whole decoder layer in a split(2) scope
+    (the built-in Llama plan restricted to those modules)."""
     model = tiny_llama()
-    if annotate:
+    if split is not None:
+        for layer in model.model.layers:
+            torchloom.split(layer.mlp if split == "mlp" else layer, device_count=2)
+    elif annotate:
         torchloom.replicate(model.model.embed_tokens, model.model.layers[0], name="stage0")
         torchloom.replicate(model.model.layers[1], model.model.norm, model.lm_head, name="stage1")
     return model
@@ -141,9 +146,9 @@ def _run(res, batches, micro: int, to_input=lambda b: b) -> list[float]:
     return losses
 
 
-def train_llama(annotated: bool, steps: int, global_batch: int, micro: int, strategy=None) -> dict:
+def train_llama(annotated: bool, steps: int, global_batch: int, micro: int, strategy=None, split=None) -> dict:
     """Annotated Llama with ``strategy=None`` (derived), or the plain model with ``strategy``."""
-    model = annotated_llama(annotate=annotated)
+    model = annotated_llama(annotate=annotated, split=split)
     res = torchloom.auto_accelerate(
         model, SGD[0], None, lm_loss, strategy=strategy, optim_args=SGD[1],
         dataloader_args={"batch_size": global_batch, "micro_batch_size": micro}, model_input_format="unpack_dict",

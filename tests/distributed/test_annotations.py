@@ -89,15 +89,29 @@ def test_annotated_pipeline_and_split_on_4_ranks():
         _assert_close(seq[r], ref_seq, f"sequential pipeline rank {r}")
 
 
+def _llama_split_plan(split: str) -> dict[str, str]:
+    """The built-in Llama plan's entries for the split modules of both layers (q/k/v and gate/up
+    column-wise, o and down row-wise)."""
+    mlp = {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+    attn = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+            "self_attn.o_proj": "rowwise"}
+    per_layer = mlp if split == "mlp" else {**attn, **mlp}
+    return {f"model.layers.{i}.{k}": v for i in range(2) for k, v in per_layer.items()}
+
+
 @pytest.mark.distributed
-def test_split_classifier_head_on_2_ranks():
-    """replicate(1) body + split(2) MLP/head on 2 ranks -> tp=2, dp=1; same as the hand-written plan."""
+def test_split_classifier_head_and_llama_on_2_ranks():
+    """replicate(1) body + split(2) MLP/head on 2 ranks -> tp=2, dp=1; same as the hand-written plan.
+    An HF Llama with every MLP, or every whole decoder layer, in a split(2) scope -> tp=2 with the built-in
+    Llama plan restricted to those modules (heads divided correctly), trained like the 1-process reference."""
     hand = [("parallel_mode", {"dp": 1}), ("tensor_parallel", {"size": 2, "plan": CLASSIFIER_PLAN})]
     cfgs = [
         ("classifier", dict(annotated=True, steps=STEPS, global_batch=GB, micro=4)),
         ("classifier", dict(annotated=False, steps=STEPS, global_batch=GB, micro=4, strategy=hand)),
+        ("llama", dict(annotated=True, split="mlp", steps=STEPS, global_batch=GB, micro=4)),
+        ("llama", dict(annotated=True, split="layers", steps=STEPS, global_batch=GB, micro=4)),
     ]
-    outs = run_ranks(run_many, 2, cfgs, timeout=400)
+    outs = run_ranks(run_many, 2, cfgs, timeout=600)
     ann, plain = [outs[0][0], outs[1][0]], [outs[0][1], outs[1][1]]
     assert ann[0]["strategy"] == {"version": 1, "methods": [
         {"name": "parallel_mode", "config": {"dp": 1}},
@@ -107,3 +121,14 @@ def test_split_classifier_head_on_2_ranks():
     for r in range(2):
         _assert_close(ann[r], ref, f"tp rank {r}")
     _assert_identical(ann, plain, "annotated vs hand-written tensor parallel")
+
+    ref_llama = reference_llama(STEPS, GB)
+    for i, split in ((2, "mlp"), (3, "layers")):
+        runs = [outs[0][i], outs[1][i]]
+        assert runs[0]["strategy"]["methods"] == [
+            {"name": "parallel_mode", "config": {"dp": 1}},
+            {"name": "tensor_parallel", "config": {"size": 2, "plan": _llama_split_plan(split)}}], split
+        assert runs[0]["mesh"]["tp"] == 2
+        for r in range(2):
+            assert runs[r]["params"].keys() == ref_llama[1].keys()
+            _assert_close(runs[r], ref_llama, f"llama split={split} rank {r}")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import torchloom
-from tests.models import tiny_llama
+from tests.models import tiny_gpt2, tiny_llama
 from torchloom import StrategyError, Strategy
 from torchloom.strategy.annotations import (ATTR, clear_annotations, has_annotations, plan_from_annotations,
                                             strategy_from_annotations)
@@ -103,7 +103,7 @@ def test_function_forms_on_hf_llama():
     assert head is model.lm_head
     plan = plan_from_annotations(model)
     assert plan.split_points == ["model.layers.2"] and plan.stages[1] == "late"
-    assert plan.tp_plan == {"lm_head": "colwise_gather"}
+    assert plan.tp_plan == {"lm_head": "lm_head"}  # the built-in Llama plan's style for the output head
     s = strategy_from_annotations(model, 8)
     assert s.config("parallel_mode").dp == 2
     assert s.config("pipeline_parallel").split_points == ["model.layers.2"]
@@ -123,6 +123,184 @@ def test_split_rule_pairs_chained_linears():
     plan = plan_from_annotations(Head())
     assert plan.tp_plan == {"tok": "vocab_embedding", "up": "colwise", "down": "rowwise", "odd": "colwise_gather"}
     assert plan.tp == 4 and plan.pp == 1
+
+
+def _split_each(layers, pick, n: int = 2):
+    for layer in layers:
+        torchloom.split(pick(layer), device_count=n)
+
+
+def test_split_rule_uses_the_builtin_plan_of_a_known_family():
+    """Rule (a): a Llama MLP or whole decoder layer gets the built-in Llama entries (gate/up colwise, down
+    rowwise; q/k/v colwise, o rowwise), the head 'lm_head'; GPT-2's Conv1D layers get the GPT-2 plan."""
+    model = tiny_llama(layers=1)
+    _split_each(model.model.layers, lambda l: l.mlp)
+    mlp = {"model.layers.0.mlp.gate_proj": "colwise", "model.layers.0.mlp.up_proj": "colwise",
+           "model.layers.0.mlp.down_proj": "rowwise"}
+    assert plan_from_annotations(model).tp_plan == mlp
+
+    model = tiny_llama(layers=1)
+    _split_each(model.model.layers, lambda l: l)  # norms, rotary and activations inside stay replicated
+    torchloom.split(model.lm_head, device_count=2)
+    attn = {f"model.layers.0.self_attn.{p}_proj": "colwise" for p in "qkv"}
+    assert plan_from_annotations(model).tp_plan == {**attn, "model.layers.0.self_attn.o_proj": "rowwise", **mlp,
+                                                    "lm_head": "lm_head"}
+
+    gpt2 = tiny_gpt2(layers=1)
+    _split_each(gpt2.transformer.h, lambda b: b.mlp)
+    assert plan_from_annotations(gpt2).tp_plan == {"transformer.h.0.mlp.c_fc": "colwise",
+                                                   "transformer.h.0.mlp.c_proj": "rowwise"}
+    gpt2 = tiny_gpt2(layers=1)
+    _split_each(gpt2.transformer.h, lambda b: b.attn)
+    assert plan_from_annotations(gpt2).tp_plan == {"transformer.h.0.attn.c_attn": "fused_qkv",
+                                                   "transformer.h.0.attn.c_proj": "rowwise"}
+
+    class Wrapper(nn.Module):  # a family model inside a custom module: its names get the wrapper's prefix
+        def __init__(self):
+            super().__init__()
+            self.backbone = tiny_llama(layers=1).model
+            self.score = nn.Linear(64, 3)
+
+    w = Wrapper()
+    torchloom.split(w.backbone.layers[0].mlp, w.score, device_count=2)
+    assert plan_from_annotations(w).tp_plan == {**{k.replace("model.", "backbone.", 1): v for k, v in mlp.items()},
+                                                "score": "colwise_gather"}
+
+
+def test_split_rule_shape_rule_for_other_models():
+    """Rule (b): siblings d -> w read by exactly one later sibling w -> * are colwise + rowwise (also when
+    the row-wise layer is registered between them); outside an nn.Sequential square layers (d == w) cannot
+    be told apart and each is gathered; an nn.Sequential pairs by order; Conv1D counts as a Linear."""
+
+    def plan_of(build):
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                with torchloom.split(device_count=2):
+                    build(self)
+
+        return plan_from_annotations(Net()).tp_plan
+
+    def glu_meta_order(m):  # Meta's Llama registers w1, w2, w3; forward w2(silu(w1(x)) * w3(x))
+        m.w1, m.w2, m.w3 = nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 16)
+
+    assert plan_of(glu_meta_order) == {"w1": "colwise", "w2": "rowwise", "w3": "colwise"}
+
+    def chain(m):
+        m.seq = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
+
+    assert plan_of(chain) == {"seq.0": "colwise", "seq.2": "rowwise", "seq.4": "colwise_gather"}
+
+    def square(m):
+        m.a, m.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    assert plan_of(square) == {"a": "colwise_gather", "b": "colwise_gather"}
+
+    def square_sequential(m):  # the order is the data flow; a norm (parameters) between stops the pairing
+        m.seq = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+
+    assert plan_of(square_sequential) == {"seq.0": "colwise", "seq.2": "rowwise", "seq.4": "colwise_gather"}
+
+    def two_readers(m):  # fc1's width is read by fc2 and by other: which one reads fc1 is unknown; fc2 -> fc1
+        # (32 -> 8 -> 32) is not taken either, fc1 being registered first
+        m.fc1, m.fc2, m.other = nn.Linear(8, 32), nn.Linear(32, 8), nn.Linear(32, 4)
+
+    assert plan_of(two_readers) == {"fc1": "colwise_gather", "fc2": "colwise_gather", "other": "colwise_gather"}
+
+    def conv1d(m):
+        from transformers.pytorch_utils import Conv1D
+        m.c, m.d = Conv1D(16, 8), Conv1D(8, 16)  # Conv1D(nf=out, nx=in)
+
+    assert plan_of(conv1d) == {"c": "colwise", "d": "rowwise"}
+
+    def tied(m):
+        m.emb, m.out = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+        m.out.weight = m.emb.weight
+
+    assert plan_of(tied) == {"emb": "vocab_embedding", "out": "colwise_gather"}  # both Shard(0): the tie holds
+
+
+def test_split_rule_refuses_what_it_cannot_classify():
+    """Rule (c): a StrategyError at plan time naming the modules, for part of a built-in group, a tied
+    weight split on one side, attention under the shape rule, nn.MultiheadAttention and an empty scope."""
+    model = tiny_llama(layers=1)
+    torchloom.split(model.model.layers[0].mlp.gate_proj, device_count=2)
+    with pytest.raises(StrategyError, match=r"built-in llama .* splits model\.layers\.0\.mlp\.gate_proj \(colwise, "
+                                            r"split scope 'split#\d+'\), model\.layers\.0\.mlp\.up_proj \(colwise, no "
+                                            r"split scope\).*torchloom\.split\(model\.layers\.0\.mlp, .*explicit plan"):
+        plan_from_annotations(model)
+
+    model = tiny_llama(tie=True)
+    torchloom.split(model.lm_head, device_count=2)
+    with pytest.raises(StrategyError, match="lm_head shares a parameter with model.embed_tokens"):
+        plan_from_annotations(model)
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads = 2
+            self.q, self.k, self.v, self.o = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    net = nn.Sequential()
+    net.add_module("attn", torchloom.split(Attention(), device_count=2))
+    with pytest.raises(StrategyError, match=r"attn counts heads \(num_heads\).* attn\.q, attn\.k, attn\.v column-wise "
+                                            r"and attn\.o row-wise.*explicit plan"):
+        plan_from_annotations(net)
+
+    net = nn.Sequential()
+    net.add_module("mha", torchloom.split(nn.MultiheadAttention(8, 2), device_count=2))
+    with pytest.raises(StrategyError, match="mha is an nn.MultiheadAttention"):
+        plan_from_annotations(net)
+
+    model = tiny_llama(layers=1)
+    torchloom.split(model.model.norm, device_count=2, name="norm")
+    with pytest.raises(StrategyError, match=r"split scope 'norm' gives no tensor-parallel plan entry: it holds "
+                                            r"model\.norm \(LlamaRMSNorm\), and the built-in llama .* keeps"):
+        plan_from_annotations(model)
+    # an explicit plan replaces the derived one, so the rule is not consulted
+    s = strategy_from_annotations(model, 2, [("tensor_parallel", {"plan": {"lm_head": "lm_head"}})])
+    assert s.config("tensor_parallel").plan == {"lm_head": "lm_head"} and s.config("tensor_parallel").size == 2
+
+    net = nn.Sequential()
+    net.add_module("n", torchloom.split(nn.LayerNorm(8), device_count=2, name="ln"))
+    with pytest.raises(StrategyError, match="'ln' gives no .* splits only nn.Linear, Conv1D and nn.Embedding"):
+        plan_from_annotations(net)
+
+
+def test_scopes_with_one_name_are_one_scope():
+    """Reopening replicate(name="A") after B is the same contiguity error as the function form; reopening
+    it right after continues stage A; one name with two device counts is refused."""
+
+    class ABA(nn.Sequential):
+        def __init__(self, names=("A", "B", "A")):
+            super().__init__()
+            for i, name in enumerate(names):
+                with torchloom.replicate(1, name=name):
+                    self.add_module(f"l{i}", nn.Linear(4, 4))
+
+    msg = r"replicate scope 'A' continues at '{}' after scope 'B' began: a pipeline stage must be contiguous"
+    with pytest.raises(StrategyError, match=msg.format("l2")):
+        plan_from_annotations(ABA())
+    fn = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    torchloom.replicate(fn[0], fn[2], name="A")
+    torchloom.replicate(fn[1], name="B")
+    with pytest.raises(StrategyError, match=msg.format("2")):
+        plan_from_annotations(fn)
+    fn = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    torchloom.replicate(fn[0], name="A")
+    torchloom.replicate(fn[1], name="B")
+    torchloom.replicate(fn[2], name="A")  # a second call with the same name joins scope A
+    with pytest.raises(StrategyError, match=msg.format("2")):
+        plan_from_annotations(fn)
+
+    plan = plan_from_annotations(ABA(("A", "A", "B")))
+    assert plan.stages == ["A", "B"] and plan.split_points == ["l2"]
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    torchloom.replicate(net[0], name="A")
+    torchloom.replicate(net[1], device_count=2, name="A")
+    with pytest.raises(StrategyError, match="two replicate scopes are named 'A' but have device_count 1 and 2"):
+        plan_from_annotations(net)
 
 
 def test_strategy_translation_and_equality_with_method_list(tmp_path):

@@ -7,10 +7,11 @@ USENIX ATC 2022; https://github.com/alibaba/EasyParallelLibrary, docs/en/api/str
 
 * each ``replicate`` scope is one pipeline stage; a new stage begins at the first module of every
   ``replicate`` scope after the first, in module order (``model.named_modules()``);
-* a ``split`` scope is tensor parallel: Linear pairs whose shapes chain (``a.out_features ==
-  b.in_features``) become ``colwise`` then ``rowwise`` (a Megatron MLP), any other Linear ``colwise_gather``,
-  an Embedding ``vocab_embedding``; a top-level ``split`` is colocated with the stage it falls in (EPL's
-  ``cluster.colocate_split_and_replicate``);
+* scopes of one kind with the same ``name`` are one scope (reopening ``replicate(name="A")`` continues stage A);
+* a ``split`` scope is tensor parallel: modules of a Hugging Face family with a built-in ``tensor_parallel``
+  plan get that plan's entries, others a shape rule (gate/up -> down become ``colwise``/``rowwise``, other
+  Linears ``colwise_gather``, Embeddings ``vocab_embedding``); see :mod:`.split_rule`. A top-level ``split``
+  is colocated with the stage it falls in (EPL's ``cluster.colocate_split_and_replicate``);
 * every stage gets the same ``tp`` devices (tp = the split degree): modules outside ``split`` scopes are
   replicated over them, so one model replica uses ``pp x tp`` devices and data parallelism takes the rest
   of the world.
@@ -31,6 +32,7 @@ from torch.nn.modules import module as _module_hooks
 from ..errors import StrategyError
 from .config import config_to_dict
 from .registry import resolve_name
+from .split_rule import split_plan
 from .strategy import Strategy, StrategyLike
 
 #: attribute holding a module's annotation: ``{"replicate": Scope, "split": Scope}`` (either key optional)
@@ -39,7 +41,7 @@ _uids = itertools.count()
 _local = threading.local()  # .stack: the scopes open in this thread, outermost first
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Scope:
     """One ``replicate`` or ``split`` annotation. Use it as a context manager around submodule construction,
     or call it on existing modules.
@@ -49,7 +51,10 @@ class Scope:
             parallel).
         device_count: devices of one model replica this scope runs on (see :func:`replicate`, :func:`split`).
         name: a label shown in plans and errors (default ``"replicate#<n>"``/``"split#<n>"``).
-        uid: identity of the scope: modules with equal ``uid`` belong to the same scope (kept by deepcopy).
+        uid: identity of an unnamed scope (kept by deepcopy and pickling).
+
+    Scopes are equal when kind and ``name`` are equal (unnamed ones: kind and ``uid``), so reopening
+    ``replicate(1, name="A")`` continues scope A.
     """
 
     kind: str
@@ -60,6 +65,16 @@ class Scope:
     @property
     def label(self) -> str:
         return self.name or f"{self.kind}#{self.uid}"
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, self.name) if self.name else (self.kind, self.uid)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Scope) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
 
     def __enter__(self) -> "Scope":
         stack = _stack()
@@ -199,7 +214,8 @@ class AnnotationPlan:
         stages: labels of the ``replicate`` scopes in stage order (empty: no replicate scope, one stage).
         split_points: FQN of the first module of every stage after the first (pipeline ``split_points``).
         tp: tensor-parallel degree (1 without ``split`` scopes).
-        tp_plan: ``{module FQN: style}`` for the Linear/Embedding modules inside ``split`` scopes.
+        tp_plan: ``{module FQN: style}`` for the modules inside ``split`` scopes (:mod:`.split_rule`); empty
+            when not derived.
     """
 
     stages: list[str]
@@ -216,13 +232,19 @@ class AnnotationPlan:
         return self.pp * self.tp
 
 
-def plan_from_annotations(model: nn.Module) -> AnnotationPlan:
+def plan_from_annotations(model: nn.Module, derive_tp_plan: bool = True) -> AnnotationPlan:
     """Read ``model``'s annotations into an :class:`AnnotationPlan`.
+
+    Args:
+        derive_tp_plan: derive ``tp_plan`` from the split scopes (False: an explicit plan will replace it).
 
     Raises:
         StrategyError: split scopes with different device counts, a replicate device count that is
-            neither 1 nor the split degree, or replicate scopes interleaved in module order.
+            neither 1 nor the split degree, replicate scopes interleaved in module order (A, B, A), two
+            scopes of one name with different device counts, or split scopes the tensor-parallel rule
+            cannot classify (:func:`.split_rule.split_plan`).
     """
+    _check_same_name_counts(model)
     eff = _effective(model)
     splits = _distinct(s.get("split") for s in eff.values())
     counts = sorted({s.device_count for s in splits})
@@ -242,7 +264,8 @@ def plan_from_annotations(model: nn.Module) -> AnnotationPlan:
                 f"same tensor-parallel group here, so a replicate stage uses {hint}; data parallelism over the other "
                 f"devices is derived from the world size. Use replicate(device_count=1)."
             )
-    return AnnotationPlan([s.label for s in stages], split_points, tp, _tp_plan(model, eff, splits))
+    tp_plan = split_plan(model, {n: a.get("split") for n, a in eff.items()}) if splits and derive_tp_plan else {}
+    return AnnotationPlan([s.label for s in stages], split_points, tp, tp_plan)
 
 
 def strategy_from_annotations(model: nn.Module, world_size: int, base: StrategyLike = None) -> Strategy:
@@ -252,12 +275,12 @@ def strategy_from_annotations(model: nn.Module, world_size: int, base: StrategyL
     (``size``, ``split_points``) when there are several stages, and ``tensor_parallel`` (``size``, ``plan``)
     when there are split scopes. ``base`` (any strategy form) is merged in: its other methods are appended,
     and for a method both have, every config key ``base`` sets explicitly overrides the derived value (so
-    ``("tensor_parallel", {"plan": {...}})`` replaces the derived plan and ``("pipeline_parallel",
-    {"schedule": "1f1b"})`` keeps the derived split points); a data-parallel degree in ``base``'s
-    ``parallel_mode`` (``dp``/``dp_replicate``/``dp_shard``) replaces the derived ``dp``. With split scopes
-    and more than one model replica, ``fsdp`` is added unless ``base`` names a data-parallel method (DDP
-    cannot hold tensor-parallel parameters): the replicas then shard their parameters (ZeRO-3), which
-    computes the same as replication.
+    ``("tensor_parallel", {"plan": {...}})`` replaces the derived plan, whose rule is then not consulted, and
+    ``("pipeline_parallel", {"schedule": "1f1b"})`` keeps the derived split points); a data-parallel degree
+    in ``base``'s ``parallel_mode`` (``dp``/``dp_replicate``/``dp_shard``) replaces the derived ``dp``. With
+    split scopes and more than one model replica, ``fsdp`` is added unless ``base`` names a data-parallel
+    method (DDP cannot hold tensor-parallel parameters): the replicas then shard their parameters (ZeRO-3),
+    which computes the same as replication.
 
     Raises:
         StrategyError: the annotations are invalid (see :func:`plan_from_annotations`), or ``world_size``
@@ -265,7 +288,9 @@ def strategy_from_annotations(model: nn.Module, world_size: int, base: StrategyL
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise StrategyError(f"world_size must be a positive int, got {world_size!r}.")
-    plan = plan_from_annotations(model)
+    base = Strategy.parse(base)
+    given = {e.name: config_to_dict(e.config) for e in base.entries if not e.implied}
+    plan = plan_from_annotations(model, derive_tp_plan="plan" not in given.get("tensor_parallel", {}))
     per_replica = plan.devices_per_replica
     if world_size % per_replica:
         raise StrategyError(
@@ -277,9 +302,7 @@ def strategy_from_annotations(model: nn.Module, world_size: int, base: StrategyL
     if plan.pp > 1:
         derived["pipeline_parallel"] = {"size": plan.pp, "split_points": plan.split_points}
     if plan.tp > 1:
-        derived["tensor_parallel"] = {"size": plan.tp, "plan": plan.tp_plan}
-    base = Strategy.parse(base)
-    given = {e.name: config_to_dict(e.config) for e in base.entries if not e.implied}
+        derived["tensor_parallel"] = {"size": plan.tp, **({"plan": plan.tp_plan} if plan.tp_plan else {})}
     pm = given.get("parallel_mode", {})
     if any(k in pm for k in ("dp", "dp_replicate", "dp_shard")):
         derived["parallel_mode"].pop("dp")
@@ -322,6 +345,20 @@ def _mark(module: nn.Module, scope: Scope) -> None:
     ann = dict(getattr(module, ATTR, None) or {})  # a new dict: modules never share one
     ann[scope.kind] = scope
     module.__dict__[ATTR] = ann  # a plain attribute: not a parameter, buffer or submodule
+
+
+def _check_same_name_counts(model: nn.Module) -> None:
+    """Scopes with one name are one scope, so they must agree on the device count."""
+    seen: dict[tuple, Scope] = {}
+    for m in model.modules():
+        for scope in (getattr(m, ATTR, None) or {}).values():
+            first = seen.setdefault(scope.key, scope)
+            if first.device_count != scope.device_count:
+                raise StrategyError(
+                    f"two {scope.kind} scopes are named '{scope.label}' but have device_count {first.device_count} "
+                    f"and {scope.device_count}; scopes with one name are one scope. Give them one device_count or "
+                    "different names."
+                )
 
 
 def _check_count(kind: str, n: Any, minimum: int) -> int:
@@ -385,8 +422,9 @@ def _stages(model: nn.Module, eff: dict[str, dict[str, Scope]]) -> tuple[list[Sc
             continue
         if s in order and order[-1] != s:
             raise StrategyError(
-                f"replicate scope '{s.label}' continues at '{n}' after scope '{order[-1].label}' began: pipeline "
-                "stages must be contiguous in module order. Annotate consecutive modules per stage."
+                f"replicate scope '{s.label}' continues at '{n}' after scope '{order[-1].label}' began: a pipeline "
+                "stage must be contiguous in module order (replicate scopes with the same name are one stage). "
+                "Give each stage consecutive modules, or different names."
             )
         if s not in order:
             order.append(s)
@@ -394,24 +432,3 @@ def _stages(model: nn.Module, eff: dict[str, dict[str, Scope]]) -> tuple[list[Sc
                 points.append(first_root.get(s, n))
         first_root.clear()  # later stages begin after this parameter
     return order, points
-
-
-def _tp_plan(model: nn.Module, eff: dict[str, dict[str, Scope]], splits: list[Scope]) -> dict[str, str]:
-    """Default styles for the Linear/Embedding modules of each split scope (module docstring)."""
-    plan: dict[str, str] = {}
-    mods = dict(model.named_modules())
-    for scope in splits:
-        members = [n for n in mods if eff[n].get("split") == scope]
-        linears = [n for n in members if isinstance(mods[n], nn.Linear)]
-        plan.update({n: "vocab_embedding" for n in members if isinstance(mods[n], nn.Embedding)})
-        i = 0
-        while i < len(linears):
-            a = mods[linears[i]]
-            if i + 1 < len(linears) and a.out_features == mods[linears[i + 1]].in_features:
-                plan[linears[i]], plan[linears[i + 1]] = "colwise", "rowwise"
-                i += 2
-            else:
-                plan[linears[i]] = "colwise_gather"
-                i += 1
-    index = {n: i for i, n in enumerate(mods)}
-    return dict(sorted(plan.items(), key=lambda kv: index[kv[0]]))
