@@ -101,11 +101,15 @@ def reference(model_name: str, data: list[list[dict]], atoms: int, max_grad_norm
 
 # ---------------------------------------------------------------------------------------------- rank functions
 def pp_train_many(configs: list[dict]) -> list[dict]:
-    """Several :func:`pp_train` runs in one launch (a launch costs seconds)."""
+    """Several runs in one launch (a launch costs seconds): :func:`pp_train`, or :func:`pp_checkpoint` for a
+    config with ``kind="checkpoint"`` (its ``tag`` is only for error messages)."""
     out = []
     for cfg in configs:
         try:
-            out.append(pp_train(**cfg))
+            if cfg.get("kind") == "checkpoint":
+                out.append(pp_checkpoint(**{k: v for k, v in cfg.items() if k not in ("kind", "tag")}))
+            else:
+                out.append(pp_train(**cfg))
         except Exception as e:
             raise RuntimeError(f"config {cfg.get('tag')} failed: {type(e).__name__}: {e}") from e
     return out

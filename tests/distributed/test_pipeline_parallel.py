@@ -83,13 +83,51 @@ def test_schedules_accumulation_balancing_and_eval_match_reference_2ranks():
     assert "PipelinedModel(" in runs["1f1b"][0]["repr"] and "stages [0] of 2" in runs["1f1b"][0]["repr"]
 
 
+def _save_plain_gpt2(path):
+    """A plain single-process tied GPT-2 checkpoint (weights halved, so it differs from a fresh model; SGD
+    momentum state present). Returns the model."""
+    from torchloom import checkpoint as ckpt
+
+    plain = W.build_model("gpt2")
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.mul_(0.5)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    ckpt.save(path, step=7, model=plain, optimizer=plain_opt)
+    return plain
+
+
+def _check_checkpoint_runs(outs, plain):
+    """``W.pp_checkpoint`` results: the plain checkpoint's model loads exactly (its per-group-index optimizer
+    state is refused with a clear error); after the pipelined save -> load, parameters and momentum are
+    bit-identical and training continues identically (same losses, same final parameters)."""
+    for o in outs:
+        assert "per parameter-group index" in o["plain_error"] and "optimizer=None" in o["plain_error"]
+        for k, v in o["from_plain"].items():
+            assert torch.equal(v, plain.state_dict()[k]), k
+    for o in outs:
+        assert o["step"] == 2
+        for what in ("params", "momentum"):
+            assert set(o["saved"][what]) == set(o["loaded"][what])
+            for k, v in o["saved"][what].items():
+                assert torch.equal(o["loaded"][what][k], v), (what, k)
+        assert o["after_a"] == o["after_b"]
+        for k, v in o["final_a"].items():
+            assert torch.equal(o["final_b"][k], v), k
+
+
 @pytest.mark.distributed
-def test_pp_with_data_parallel_checkpointing_and_tensor_parallel_4ranks():
+def test_pp_with_data_parallel_checkpointing_and_tensor_parallel_4ranks(tmp_path):
     """pp=2 x ddp over dp=2 and x fsdp over dp_shard=2, with activation checkpointing and accumulation; zero
     bubble with ZeRO-2; tied GPT-2 under fsdp with clipping, and built on the meta device; bf16 amp; pp=2 x
-    tp=2 (Llama, and tied GPT-2 whose head is untied on the last stage)."""
+    tp=2 (Llama, and tied GPT-2 whose head is untied on the last stage; an MLP-only plan that leaves the last
+    stage without tensor-parallel modules). Checkpoints under pp=2 x tp=2 of GPT-2, whose fused ``c_attn`` is a strided
+    (multi-block) shard: save -> load round trip and a plain checkpoint loaded into that layout, exact."""
     data = W.token_data(STEPS, GB, 2)  # dp=2 x 2 train_step calls of 2 rows per step
     tp = [("parallel_mode", {"pp": 2, "tp": 2}), "pipeline_parallel", "tensor_parallel"]
+    plain = _save_plain_gpt2(tmp_path / "plain")
+    mlp_plan = {"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+                "model.layers.*.mlp.down_proj": "rowwise"}  # matches nothing on the last stage (norm + head)
     configs = {
         "ddp_ac": dict(strategy=_pp("ddp", "checkpoint"), data=data),
         "fsdp_ac": dict(strategy=_pp("fsdp", "checkpoint"), data=data),
@@ -100,11 +138,16 @@ def test_pp_with_data_parallel_checkpointing_and_tensor_parallel_4ranks():
         "ddp_amp_bf16": dict(strategy=_pp("ddp", ("amp", {"dtype": "bfloat16"})), data=data),
         "tp": dict(strategy=tp, data=W.token_data(STEPS, GB, 4)),
         "tp_gpt2_clip": dict(strategy=tp, data=W.token_data(STEPS, GB, 4), model="gpt2", max_grad_norm=0.5),
+        "tp_mlp_only_head_stage": dict(strategy=[tp[0], ("pipeline_parallel", {"split_points": ["model.norm"]}),
+                                                 ("tensor_parallel", {"plan": mlp_plan})],
+                                       data=W.token_data(STEPS, GB, 4)),
+        "tp_gpt2_checkpoint": dict(kind="checkpoint", root=str(tmp_path / "pp_tp"), strategy=tp, model="gpt2",
+                                   plain_root=str(tmp_path / "plain")),
     }
     outs = run_ranks(W.pp_train_many, 4, [dict(tag=k, **v) for k, v in configs.items()], timeout=900)
     runs = {k: [o[i] for o in outs] for i, k in enumerate(configs)}
     for tag, cfg in configs.items():
-        if tag in ("fsdp_meta_gpt2", "ddp_amp_bf16"):
+        if tag in ("fsdp_meta_gpt2", "ddp_amp_bf16", "tp_gpt2_checkpoint"):
             continue  # checked below
         ref = W.reference(cfg.get("model", "llama"), cfg["data"], 2, max_grad_norm=cfg.get("max_grad_norm"))
         _check(tag, runs[tag], ref)
@@ -124,6 +167,10 @@ def test_pp_with_data_parallel_checkpointing_and_tensor_parallel_4ranks():
     assert runs["tp"][0]["mesh"]["tp"] == 2
     notes = " ".join(runs["fsdp_ac"][0]["notes"])
     assert "checkpoint: 2/2 blocks" in notes and "fsdp: ZeRO-3" in notes
+    head_stage = {r["stages"][0]: " ".join(r["notes"]) for r in runs["tp_mlp_only_head_stage"]}
+    assert "custom plan over 1 part(s): no planned modules on this rank's stage(s)" in head_stage[1], head_stage[1]
+    assert "custom plan over 1 part(s): 8 colwise, 4 rowwise" in head_stage[0], head_stage[0]
+    _check_checkpoint_runs(runs["tp_gpt2_checkpoint"], plain)
 
 
 @pytest.mark.distributed
@@ -135,27 +182,10 @@ def test_checkpoint_roundtrip_and_load_into_unpipelined_model(tmp_path):
     optimizer cannot take: a clear error)."""
     from torchloom import checkpoint as ckpt
 
-    plain = W.build_model("gpt2")
-    with torch.no_grad():
-        for p in plain.parameters():
-            p.mul_(0.5)
-    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
-    ckpt.save(tmp_path / "plain", step=7, model=plain, optimizer=plain_opt)
+    plain = _save_plain_gpt2(tmp_path / "plain")
     outs = run_ranks(W.pp_checkpoint, 2, str(tmp_path / "pp"), _pp(), "gpt2", plain_root=str(tmp_path / "plain"),
                      timeout=600)
-    for o in outs:
-        assert "per parameter-group index" in o["plain_error"] and "optimizer=None" in o["plain_error"]
-        for k, v in o["from_plain"].items():
-            assert torch.equal(v, plain.state_dict()[k]), k
-    for o in outs:
-        assert o["step"] == 2
-        for what in ("params", "momentum"):
-            assert set(o["saved"][what]) == set(o["loaded"][what])
-            for k, v in o["saved"][what].items():
-                assert torch.equal(o["loaded"][what][k], v), (what, k)
-        assert o["after_a"] == o["after_b"]
-        for k, v in o["final_a"].items():
-            assert torch.equal(o["final_b"][k], v), k
+    _check_checkpoint_runs(outs, plain)
     model = W.build_model("gpt2")
     with torch.no_grad():
         for p in model.parameters():
@@ -197,3 +227,14 @@ def test_pp_x_dp_x_tp_8ranks():
     for r in runs["pp_replicate_tp"]:
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(
             W.reference("llama", data, 2, max_grad_norm=0.5)["norms"]), rtol=1e-5, atol=0)
+
+
+def test_zero1_is_refused_under_pipelining():
+    """zero1's checkpoints cannot be loaded under pipelining (its state is consolidated on global rank 0 per
+    group index): the strategy is refused up front, pointing to zero2. No process launch."""
+    from torchloom.errors import StrategyError
+    from torchloom.strategy.strategy import Strategy
+
+    for methods in ([("pipeline_parallel", {"size": 2}), "zero1"], ["zero1", ("pp", {"size": 2})]):
+        with pytest.raises(StrategyError, match=r"cannot be combined: zero1 trains under pipelining.*'zero2'"):
+            Strategy(methods)

@@ -110,7 +110,8 @@ class TensorParallel(Method):
         for part, r in zip(parts, resolved):
             counts.update(parallelize_part(part, mesh, r, flags))
             install_model_hook(part)  # DCP: strided (fused q/k/v, packed experts) shards save as their blocks
-        styles = ", ".join(f"{n} {k}" for k, n in counts.items())
+        # a pipeline stage may hold no planned module (e.g. only a norm and an untied head)
+        styles = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no planned modules on this rank's stage(s)"
         ctx.note(f"tensor_parallel: tp={tp}, {plans[0].family} plan over {len(parts)} part(s): {styles}"
                  + (", sequence parallel" if flags.sequence_parallel else "")
                  + (", loss parallel (vocab-sharded logits)" if flags.loss_parallel else ""))

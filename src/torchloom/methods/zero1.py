@@ -26,7 +26,13 @@ class Zero1(Method):
     implies = ("ddp",)
     requires = ("ddp",)
     conflicts = {"fsdp": "fsdp already shards optimizer state (and gradients/parameters); zero1 would shard "
-                         "it twice. Use fsdp alone (zero2/zero3 are fsdp modes)."}
+                         "it twice. Use fsdp alone (zero2/zero3 are fsdp modes).",
+                 "pipeline_parallel": "zero1 trains under pipelining, but its checkpoints cannot be loaded: the "
+                                      "ZeroRedundancyOptimizer state is saved consolidated on global rank 0 "
+                                      "(per parameter-group index), and rank 0 holds only its own stage's "
+                                      "parameters, so the other stages' optimizer state is lost. Use ('fsdp', "
+                                      "{'reshard_after_forward': False}) (alias 'zero2'): it shards the optimizer "
+                                      "state under pipelining and saves it by parameter name."}
 
     def wrap_optimizer(self, ctx) -> None:
         opt = ctx.optimizer

@@ -8,7 +8,7 @@ reports "overlapping chunks" and refuses to save. DCP lets a DTensor's local ten
 ``torch.distributed.checkpoint`` uses for DTensor and ShardedTensor). :func:`describe_blocks` attaches that
 description to the local tensors in a state dict: one write item per contiguous block, so checkpoints keep
 the original layout and reshard into runs with any (or no) tensor parallelism. State-dict post-hooks on
-the model and optimizer attach it to every state dict DCP sees.
+the parameters' modules and on the optimizer attach it to every state dict DCP sees.
 """
 from __future__ import annotations
 
@@ -92,8 +92,26 @@ def _attach(dt: DTensor, blocks: list[Block]) -> None:
 
 
 def install_model_hook(module: nn.Module) -> None:
-    """Describe multi-block DTensors in every ``module.state_dict()`` (what DCP saves and loads into)."""
-    module.register_state_dict_post_hook(lambda mod, state_dict, prefix, meta: describe_blocks(state_dict))
+    """Describe ``module``'s multi-block DTensors in every state dict that holds them (what DCP saves and
+    loads into).
+
+    The post-hooks go on the submodules that own parameters, not on ``module``: other module trees hold the
+    same submodules (``PipelinedModel`` merges a rank's pipeline stages into one tree under the original
+    names), and ``state_dict()`` runs the hooks of every module it recurses through, whichever root it started
+    from. A hook on the root alone would never run for them. Installing twice is harmless (one hook per module).
+    """
+    for sub in module.modules():
+        if sub._parameters and not getattr(sub, _HOOKED, False):
+            sub.register_state_dict_post_hook(_describe_own_entries)
+            setattr(sub, _HOOKED, True)
+
+
+_HOOKED = "_torchloom_dcp_blocks_hook"
+
+
+def _describe_own_entries(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    for name in module._parameters:  # only this module's entries: the hook runs once per module
+        describe_blocks(state_dict.get(prefix + name))
 
 
 def install_optimizer_hook(optimizer: torch.optim.Optimizer) -> None:
