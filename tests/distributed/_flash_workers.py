@@ -193,3 +193,56 @@ def torn_resume_rank(tmp: str) -> dict:
     complete = [p.name for _s, p in checkpoint.commit.list_checkpoints(root) if checkpoint.is_complete(p)]
     return {"source": info["source"], "step": info["step"], "paths": paths, "equal": equal,
             "entries_before": entries_before, "complete_after": complete}
+
+
+def _tp_fsdp_state(res) -> dict:
+    """Full (gathered) params and optimizer state of an auto_accelerate result, for bitwise comparison."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True)
+    msd, osd = get_state_dict(res.model, res.optimizer, options=opts)
+    flat = {f"model.{k}": v for k, v in msd.items()}
+    for pk, st in osd["state"].items():
+        for sk, v in st.items():
+            flat[f"optim.{pk}.{sk}"] = v
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+
+def tp_ranks(tmp: str, strategies: list) -> list[dict]:
+    """:func:`tp_rank` for several strategies in one launch (a launch costs seconds)."""
+    return [tp_rank(str(Path(tmp) / str(i)), s) for i, s in enumerate(strategies)]
+
+
+def tp_rank(tmp: str, strategy) -> dict:
+    """Flash save of tensor-parallel state (FSDP x TP: DTensors with _StridedShard; pp x tp: a different tp
+    sub-mesh per stage): persisted by the savers and restored from memory, both bitwise equal to the live state (params and AdamW state)."""
+    import torchloom
+    from torchloom import checkpoint
+    from tests.distributed._train_workers import lm_loss, token_batches
+
+    def build(seed):
+        seed_all(seed)
+        return torchloom.auto_accelerate(
+            tiny_llama(seed), torch.optim.AdamW, None, lm_loss, strategy=strategy, optim_args={"lr": 1e-2},
+            dataloader_args={"batch_size": 4, "micro_batch_size": 2}, model_input_format="unpack_dict")
+
+    root, shm = Path(tmp) / "ckpt", Path(tmp) / "shm"
+    res = build(0)
+    dp, r = res.mesh.dp_size, res.mesh.dp_rank
+    xs = token_batches(8, seq=16)
+    for s in range(2):
+        x = xs[s * 4:(s + 1) * 4][r * (4 // dp):(r + 1) * (4 // dp)]
+        for k in range(res.grad_accum_steps):
+            res.train_step({"input_ids": x[k * 2:(k + 1) * 2], "labels": x[k * 2:(k + 1) * 2]})
+    ref = _tp_fsdp_state(res)
+    fc = flash(root, res.model, res.optimizer, None, None, shm_dir=shm)
+    fc.save(2)
+    fc.finalize(unlink=False)
+    mem = build(5)
+    info = flash(root, mem.model, mem.optimizer, None, None, shm_dir=shm).load()
+    mem_equal = same(_tp_fsdp_state(mem), ref)
+    disk = build(6)
+    dinfo = checkpoint.load(root, model=disk.model, optimizer=disk.optimizer)
+    return {"mem": (info["source"], info["step"]), "mem_equal": mem_equal, "disk_step": dinfo["step"],
+            "disk_equal": same(_tp_fsdp_state(disk), ref), "n": len(ref)}

@@ -49,6 +49,7 @@ ON_BUSY = ("wait", "skip")
 # --------------------------------------------------------------------------- flatten / rebuild state
 def _encode_layout(t: torch.Tensor) -> dict | None:
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(t, DTensor):
         return None
@@ -56,17 +57,36 @@ def _encode_layout(t: torch.Tensor) -> dict | None:
     for p in t.placements:
         if isinstance(p, Shard):
             placements.append(["S", p.dim])
+        elif isinstance(p, _StridedShard):  # FSDP over tensor parallel (2-D parameters)
+            placements.append(["SS", p.dim, int(p.split_factor)])
         elif isinstance(p, Replicate):
             placements.append(["R"])
         else:
-            raise CheckpointError(f"flash checkpoints cannot store a DTensor with placement {p!r} (only Shard "
-                                  f"and Replicate); use torchloom.checkpoint.save for this state")
+            raise CheckpointError(f"flash checkpoints cannot store a DTensor with placement {p!r} (only Shard, "
+                                  f"_StridedShard and Replicate); use torchloom.checkpoint.save for this state")
     mesh = t.device_mesh
-    return {"mesh": mesh.mesh.tolist(), "dims": list(mesh.mesh_dim_names or []), "placements": placements,
-            "shape": list(t.shape), "stride": list(t.stride())}
+    out = {"mesh": mesh.mesh.tolist(), "dims": list(mesh.mesh_dim_names or []), "placements": placements,
+           "shape": list(t.shape), "stride": list(t.stride())}
+    root = mesh._get_root_mesh()
+    if mesh.mesh_dim_names and root.mesh_dim_names and set(mesh.mesh_dim_names) <= set(root.mesh_dim_names):
+        # rebuilt as root[dims]: the same collective calls on every rank, whatever sub-mesh it holds
+        out["root"] = {"shape": list(root.mesh.shape), "dims": list(root.mesh_dim_names)}
+    return out
 
 
 _MESHES: dict[str, Any] = {}
+
+
+def _root_mesh(root: dict) -> Any:
+    """The world mesh of the training run, built once per process. Creating a mesh creates process groups
+    collectively, so every rank builds the same root mesh and slices its own sub-mesh from it (building
+    each rank's tp or dp sub-mesh directly would hang with pp > 1 or dp > 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = json.dumps(["root", root])
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", tuple(root["shape"]), mesh_dim_names=tuple(root["dims"]))
+    return _MESHES[key]
 
 
 def _decode(local: torch.Tensor, layout: dict | None) -> torch.Tensor:
@@ -74,11 +94,18 @@ def _decode(local: torch.Tensor, layout: dict | None) -> torch.Tensor:
         return local
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    key = json.dumps([layout["mesh"], layout["dims"]])
+    key = json.dumps([layout["mesh"], layout["dims"], layout.get("root")])
     if key not in _MESHES:
-        _MESHES[key] = DeviceMesh("cpu", torch.tensor(layout["mesh"]), mesh_dim_names=tuple(layout["dims"]) or None)
-    placements = [Shard(p[1]) if p[0] == "S" else Replicate() for p in layout["placements"]]
+        root = layout.get("root")
+        if root is not None:
+            _MESHES[key] = _root_mesh(root)[tuple(layout["dims"])]
+        else:  # unnamed mesh: only correct when every rank holds the same sub-mesh
+            _MESHES[key] = DeviceMesh("cpu", torch.tensor(layout["mesh"]),
+                                      mesh_dim_names=tuple(layout["dims"]) or None)
+    placements = [Shard(p[1]) if p[0] == "S" else _StridedShard(p[1], split_factor=p[2]) if p[0] == "SS"
+                  else Replicate() for p in layout["placements"]]
     return DTensor.from_local(local, _MESHES[key], placements, run_check=False,
                               shape=torch.Size(layout["shape"]), stride=tuple(layout["stride"]))
 

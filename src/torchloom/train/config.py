@@ -159,7 +159,7 @@ class ParallelConfig:
 
     tp: tensor-parallel degree (Megatron column/row split of attention and MLP; docs/methods/tensor_parallel.md).
         With tp > 1 a plain ``ddp`` in ``strategy`` runs as replicating ``fsdp`` (see
-        :meth:`TrainConfig.ddp_swapped_for_fsdp`); flash checkpoints (``checkpoint.blocking: false``) are refused.
+        :meth:`TrainConfig.ddp_swapped_for_fsdp`).
     pp: pipeline-parallel degree (stages; docs/methods/pipeline_parallel.md).
     dp_replicate / dp_shard: data-parallel degrees (None = the rest: dp_shard with fsdp, else dp_replicate).
     sequence_parallel / loss_parallel: add those methods (need tp > 1).
@@ -278,17 +278,11 @@ class TrainConfig:
         from ..strategy.strategy import Strategy
 
         try:
-            strategy = Strategy.parse(self.full_strategy())
+            Strategy.parse(self.full_strategy())
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - surface the strategy's own message
             raise ConfigError(f"strategy={self.full_strategy()!r} is invalid: {e}") from e
-        if not self.checkpoint.blocking and "tensor_parallel" in strategy:
-            # the flash snapshot/saver rebuilds DTensors on meshes of its own, which fails for FSDP's strided
-            # shards over tp and hangs when ranks hold different tp meshes (pipeline stages, dp groups)
-            raise ConfigError("checkpoint.blocking: false (flash checkpoints) does not support tensor-parallel "
-                              "(DTensor) parameters yet; use checkpoint.blocking: true with parallel.tp > 1 "
-                              "(pipeline parallelism alone works with flash checkpoints).")
 
     def check_fits(self, world_size: int) -> None:
         """Check that the mesh degrees and the batch split fit ``world_size`` processes, before any starts.
