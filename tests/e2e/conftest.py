@@ -1,4 +1,5 @@
-"""Fixtures shared by the elastic e2e tests: one corpus cache and one uninterrupted reference run."""
+"""Fixtures shared by the e2e tests: one corpus cache (tokenizer trained once per session) and the elastic
+tests' uninterrupted reference run."""
 import pytest
 
 from ._elastic_util import train

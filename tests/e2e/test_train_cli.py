@@ -26,20 +26,15 @@ def loom(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("corpus_cache")
-
-
 def smoke(out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
     return loom("train", "smoke", "--output-dir", str(out), "--set", f"data.cache_dir={cache}",
                 "--set", "log.progress=false", *extra)
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory, cache_dir):
+def full_run(tmp_path_factory, cache):
     out = tmp_path_factory.mktemp("smoke_full")
-    return out, smoke(out, cache_dir)
+    return out, smoke(out, cache)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -81,20 +76,20 @@ def test_smoke_run(full_run):
     assert "held-out loss" in log and "sample:" in log and summary["sample"].splitlines()[0] in log
 
 
-def test_interrupted_run_resumes_exactly(tmp_path, full_run, cache_dir):
+def test_interrupted_run_resumes_exactly(tmp_path, full_run, cache):
     from safetensors.torch import load_file
 
     ref_out, ref = full_run
     assert ref.returncode == 0, ref.stdout[-4000:]
     out = tmp_path / "resumed"
 
-    first = smoke(out, cache_dir, "--max-steps-this-run", "13")
+    first = smoke(out, cache, "--max-steps-this-run", "13")
     assert first.returncode == 0, first.stdout[-4000:]
     assert "stopped after step 13" in first.stdout
     assert not (out / "summary.json").exists()
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000010"]
 
-    second = smoke(out, cache_dir)
+    second = smoke(out, cache)
     assert second.returncode == 0, second.stdout[-4000:]
     assert "resumed from step 10" in second.stdout
 
@@ -125,10 +120,10 @@ def test_ckpt_list_and_export(tmp_path, full_run):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
-def test_rerun_of_a_finished_job_does_not_train_again(full_run, cache_dir):
+def test_rerun_of_a_finished_job_does_not_train_again(full_run, cache):
     out, proc = full_run
     assert proc.returncode == 0
-    again = smoke(out, cache_dir, "--set", "sample.max_new_tokens=0")
+    again = smoke(out, cache, "--set", "sample.max_new_tokens=0")
     assert again.returncode == 0, again.stdout[-4000:]
     assert "resumed from step 20" in again.stdout
     records = read_jsonl(out / "metrics.jsonl")

@@ -11,9 +11,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
 
 @pytest.mark.parametrize("optimizer, lr", [("agd", "3e-4"), ("wsam", "3e-3")])
-def test_smoke_trains_with_optimizer(tmp_path, optimizer, lr):
+def test_smoke_trains_with_optimizer(tmp_path, cache, optimizer, lr):
     out = tmp_path / optimizer
-    proc = smoke(out, tmp_path / "cache", "--nproc", "2", "--set", f"train.optimizer={optimizer}",
+    proc = smoke(out, cache, "--nproc", "2", "--set", f"train.optimizer={optimizer}",
                  "--set", f"train.lr={lr}")
     assert proc.returncode == 0, proc.stdout[-4000:]
     summary = json.loads((out / "summary.json").read_text())

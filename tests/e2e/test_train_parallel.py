@@ -26,20 +26,15 @@ FIRST_STEP_TOL, LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4, 1e-3
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("corpus_cache")
-
-
-@pytest.fixture(scope="module")
-def tp_pp_run(tmp_path_factory, cache_dir):
+def tp_pp_run(tmp_path_factory, cache):
     out = tmp_path_factory.mktemp("tp2_pp2")
-    return out, smoke(out, cache_dir, *TP_PP)
+    return out, smoke(out, cache, *TP_PP)
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory, cache_dir):
+def ddp_run(tmp_path_factory, cache):
     out = tmp_path_factory.mktemp("ddp")
-    proc = smoke(out, cache_dir, "--nproc", "2", "--set", "sample.max_new_tokens=0")
+    proc = smoke(out, cache, "--nproc", "2", "--set", "sample.max_new_tokens=0")
     assert proc.returncode == 0, proc.stdout[-4000:]
     return out
 
@@ -111,15 +106,15 @@ def test_tp_pp_matches_ddp(tp_pp_run, ddp_run):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=WEIGHT_TOL, msg=k)
 
 
-def test_interrupted_tp_pp_run_resumes_exactly(tmp_path, tp_pp_run, cache_dir):
+def test_interrupted_tp_pp_run_resumes_exactly(tmp_path, tp_pp_run, cache):
     """Stopped after 13 steps (last checkpoint: step 10), re-run: resumes from the DCP checkpoint of the
     pipelined, tensor-parallel model and ends bitwise equal to the uninterrupted run."""
     full, proc = tp_pp_run
     assert proc.returncode == 0, proc.stdout[-4000:]
-    first = smoke(tmp_path, cache_dir, *TP_PP, "--max-steps-this-run", "13")
+    first = smoke(tmp_path, cache, *TP_PP, "--max-steps-this-run", "13")
     assert first.returncode == 0, first.stdout[-4000:]
     assert "stopped after step 13 of 20" in first.stdout and not (tmp_path / "model.safetensors").exists()
-    second = smoke(tmp_path, cache_dir, *TP_PP)
+    second = smoke(tmp_path, cache, *TP_PP)
     assert second.returncode == 0, second.stdout[-4000:]
     assert "resumed from step 10" in second.stdout
 
