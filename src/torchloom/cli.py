@@ -122,6 +122,10 @@ def run(module: bool, target: str | None, args: tuple[str, ...], **kw) -> None:
 
     if not target:
         raise click.UsageError("give a script to run, or -m MODULE.")
+    if target.startswith("-"):  # unknown options are let through for the script; before it they are typos
+        raise click.UsageError(f"no such option: {target} (loom run's options go before the script, see "
+                               "--help; everything after the script is passed to it; a script whose name starts "
+                               f"with '-' is ./{target}).")
     opts = _launch_opts(kw)
     _preflight(opts, kw)
     try:

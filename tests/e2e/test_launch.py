@@ -23,13 +23,18 @@ def loom_run(*args: str, env: dict | None = None, timeout: float = 120) -> subpr
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
 
 
+# prefixes of torchrun's options (--d, --n, --sig, --shutdown, --max-r) and torchrun's own flags: all the script's
+SCRIPT_ARGS = ["--lr", "1e-3", "-m", "x", "--d", "48", "--n", "3", "--sig", "y", "--shutdown", "--max-r", "2",
+               "--nnodes", "5", "--standalone", "--", "-h"]
+
+
 def test_args_and_env_reach_every_worker(tmp_path):
-    p = loom_run("--nproc", "2", str(HERE / "_echo.py"), str(tmp_path), "--lr", "1e-3", "-m", "x")
+    p = loom_run("--nproc", "2", str(HERE / "_echo.py"), str(tmp_path), *SCRIPT_ARGS)
     assert p.returncode == 0, p.stdout
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     cores = len(os.sched_getaffinity(0))
     for r, s in enumerate(seen):
-        assert s["argv"] == ["--lr", "1e-3", "-m", "x"]
+        assert s["argv"] == SCRIPT_ARGS
         assert s["env"]["RANK"] == str(r) and s["env"]["WORLD_SIZE"] == "2"
         assert s["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
         assert s["env"]["OMP_NUM_THREADS"] == str(max(1, cores // 2))
@@ -48,8 +53,9 @@ def test_worker_exit_code_propagates(tmp_path):
 
 
 def test_module_target(tmp_path):
-    p = loom_run("--nproc", "1", "-m", "tests.e2e._echo", str(tmp_path), "exit0=4")
+    p = loom_run("--nproc", "1", "-m", "tests.e2e._echo", str(tmp_path), "--d", "48", "exit0=4")
     assert p.returncode == 4, p.stdout
+    assert json.loads((tmp_path / "rank0.json").read_text())["argv"] == ["--d", "48", "exit0=4"]
 
 
 def test_fsdp_job_exits_0_every_time():

@@ -157,3 +157,35 @@ def test_train_bad_config_fails_before_launch(captured):
 def test_ckpt_list_empty(tmp_path):
     out = CliRunner().invoke(cli.main, ["ckpt", "list", str(tmp_path)])
     assert out.exit_code == 0 and "no checkpoints" in out.output
+
+
+# ------------------------------------------------------------------- script arguments stay the script's
+# torchrun's argparse parser expands unambiguous prefixes of its own options and stops on ambiguous ones
+# (allow_abbrev): `--d` (--duplicate-stdout-filters...), `--n` (--nnodes, --nproc-per-node...), `--sig`,
+# `--shutdown`. Everything after the script must reach the script verbatim, exact torchrun flags included.
+TRICKY_SCRIPT_ARGS = ["--d", "48", "--n", "3", "--sig", "x", "--shutdown", "--nnodes", "5", "--standalone",
+                      "--nproc-per-node=7", "--", "-h", "--max-r", "2"]
+
+
+@pytest.mark.parametrize("module", [False, True])
+def test_launch_hands_script_args_to_torchrun_unparsed(monkeypatch, module):
+    """launcher.run parses only the launcher's part with torchrun's parser (nothing starts: torchrun's
+    run() is replaced by a recorder)."""
+    import torch.distributed.run as torchrun
+
+    seen = {}
+    monkeypatch.setattr(torchrun, "run", lambda args: seen.setdefault("args", args))
+    monkeypatch.setattr(launcher, "worker_env", lambda opts: {})
+    code = launcher.run(LaunchOptions(nproc=2, max_restarts=1), "mod.x" if module else "train.py",
+                        TRICKY_SCRIPT_ARGS, module=module)
+    assert code == 0 and "args" in seen, f"torchrun's parser rejected the script's arguments (exit code {code})"
+    a = seen["args"]
+    assert a.training_script == ("mod.x" if module else "train.py") and a.module is module
+    assert a.training_script_args == TRICKY_SCRIPT_ARGS
+    assert a.nproc_per_node == "2" and a.nnodes == "1" and a.standalone and a.max_restarts == 1
+
+
+def test_run_rejects_a_mistyped_launcher_option(captured):
+    """An unknown option before the script is a usage error, not a script named '--nprocs'."""
+    out = CliRunner().invoke(cli.main, ["run", "--nprocs", "2", "train.py"])
+    assert out.exit_code == 2 and "--nprocs" in out.output and not captured

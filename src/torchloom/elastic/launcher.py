@@ -76,7 +76,13 @@ def _check_nproc(nproc: int | str) -> str:
 def build_run_args(opts: LaunchOptions, target: str, args: list[str] | tuple[str, ...] = (), *,
                    module: bool = False) -> list[str]:
     """The ``torch.distributed.run`` argument list that starts ``target`` (a script path, or a module name
-    with ``module=True``) with ``args`` under ``opts``."""
+    with ``module=True``) with ``args`` under ``opts`` (what ``torchrun`` would be given on a command line;
+    :func:`run` does not pass ``args`` through torchrun's parser, see :func:`parse_run_args`)."""
+    return _launcher_args(opts, target, module) + list(args)
+
+
+def _launcher_args(opts: LaunchOptions, target: str, module: bool) -> list[str]:
+    """torchrun's own options, then ``-m`` and ``target``: everything up to the script, none of its args."""
     if not target:
         raise ValueError("nothing to run: give a script path or -m MODULE.")
     out = ["--nproc-per-node", _check_nproc(opts.nproc), "--nnodes", str(opts.nnodes)]
@@ -102,8 +108,30 @@ def build_run_args(opts: LaunchOptions, target: str, args: list[str] | tuple[str
     if module:
         out.append("-m")
     out.append(target)
-    out += list(args)
     return out
+
+
+def parse_run_args(opts: LaunchOptions, target: str, args: list[str] | tuple[str, ...] = (), *,
+                   module: bool = False):
+    """torchrun's parsed arguments (an ``argparse.Namespace`` for ``torch.distributed.run.run``) for
+    ``target`` with ``args``.
+
+    Only the launcher's part (up to and including ``target``) goes through torchrun's parser; ``args``
+    become ``training_script_args`` verbatim. Parsing the whole list would let argparse read the script's
+    options as its own: it expands unambiguous prefixes of torchrun's options and exits on ambiguous ones
+    (``--d``, ``--n``, ``--sig``, ``--shutdown``), so ``train.py --d 48`` never reached the script.
+
+    Raises:
+        ValueError: a bad ``opts.nproc`` or no ``target``.
+        SystemExit: torchrun's parser rejected the launcher's part (e.g. a bad ``opts.extra``).
+    """
+    from torch.distributed import run as torchrun
+
+    parser = torchrun.get_args_parser()
+    parser.allow_abbrev = False  # the launcher's part is built from full option names; never guess
+    ns = parser.parse_args(_launcher_args(opts, target, module))
+    ns.training_script_args = list(args)
+    return ns
 
 
 def usable_cores() -> int:
@@ -202,8 +230,11 @@ class RestartLog:
         return undo
 
 
-def launch(run_args: list[str]) -> int:
-    """Run ``torch.distributed.run`` with ``run_args`` in this process; return the job's exit code.
+def launch(run_args) -> int:
+    """Run ``torch.distributed.run`` in this process; return the job's exit code.
+
+    ``run_args``: the namespace of :func:`parse_run_args` (script arguments never parsed), or a torchrun
+    argument list (parsed whole by torchrun's parser, as the ``torchrun`` command does).
 
     Every failed worker group is logged with its cause (rank, exit code or signal); a job that restarted
     ends with ``[loom] restarts: N`` (N = worker-group restarts done by this node's agent)."""
@@ -223,8 +254,13 @@ def launch(run_args: list[str]) -> int:
 
 
 def _launch(torchrun, run_args, SignalException, ChildFailedError) -> int:  # noqa: N803
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     try:
-        torchrun.main(run_args)
+        if isinstance(run_args, (list, tuple)):
+            torchrun.main(list(run_args))
+        else:  # what torchrun.main does after parsing: run under the elastic error recorder
+            record(torchrun.run)(run_args)
         return 0
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
@@ -242,7 +278,15 @@ def _launch(torchrun, run_args, SignalException, ChildFailedError) -> int:  # no
 
 
 def run(opts: LaunchOptions, target: str, args: list[str] | tuple[str, ...] = (), *, module: bool = False) -> int:
-    """Set the worker environment and launch ``target``; returns the job's exit code."""
-    run_args = build_run_args(opts, target, args, module=module)
+    """Set the worker environment and launch ``target``; returns the job's exit code. ``args`` reach the
+    script verbatim (:func:`parse_run_args`).
+
+    Raises:
+        ValueError: a bad ``opts.nproc`` or no ``target``.
+    """
+    try:
+        run_args = parse_run_args(opts, target, args, module=module)
+    except SystemExit as e:  # torchrun's parser printed why
+        return e.code if isinstance(e.code, int) else 2
     os.environ.update(worker_env(opts))
     return launch(run_args)
