@@ -1,5 +1,6 @@
 """Strategy parsing, validation error paths, registry and file round-trips (single process)."""
 import json
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -292,3 +293,64 @@ def test_train_step_state_round_trip_and_mid_window_error():
     ts(x)
     with pytest.raises(ValueError, match="inside an accumulation window"):
         ts.load_state_dict(ts.state_dict())
+
+
+# ------------------------------------------------------------------------ every wrong input: StrategyError
+def _pickle_bytes() -> bytes:
+    import pickle
+
+    return pickle.dumps({"version": 1, "methods": ["fsdp"]})
+
+
+@pytest.mark.parametrize("value, words", [
+    (5, ["int", "list of methods"]),
+    (2.5, ["float", "list of methods"]),
+    (b"fsdp", ["bytes", "list of methods"]),
+    ({"fsdp", "amp"}, ["set", "order"]),
+    (object(), ["object", "list of methods"]),
+])
+def test_wrong_type_names_the_type_and_the_accepted_forms(value, words):
+    with pytest.raises(StrategyError) as e:
+        Strategy.parse(value)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("name", ["s.pkl", "strategies/ddp", "run.toml", "S.PICKLE"])
+def test_path_like_string_with_unknown_suffix_is_a_file_error(name):
+    """A string with a dot or a slash cannot be a method name: it is reported as a file, not as
+    "unknown strategy method 's.pkl'"."""
+    with pytest.raises(StrategyError) as e:
+        Strategy.parse(name)
+    msg = str(e.value)
+    assert f"'{name}'" in msg and ".json, .yaml or .yml" in msg and "unknown strategy method" not in msg, msg
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml"])
+def test_undecodable_file_content_names_the_file(tmp_path, suffix):
+    """Pickle bytes in a .json/.yaml file: a StrategyError naming the file, not a bare UnicodeDecodeError."""
+    p = tmp_path / f"s{suffix}"
+    p.write_bytes(_pickle_bytes())
+    with pytest.raises(StrategyError, match=rf"strategy file '{re.escape(str(p))}'.*UTF-8.*pickle"):
+        Strategy.parse(str(p))
+    with pytest.raises(StrategyError, match="pickle"):
+        Strategy.load(p)
+
+
+def test_unreadable_files_name_the_file(tmp_path):
+    d = tmp_path / "dir.yaml"
+    d.mkdir()
+    with pytest.raises(StrategyError, match=rf"cannot read strategy file '{re.escape(str(d))}'"):
+        Strategy.parse(d)
+    with pytest.raises(StrategyError, match=rf"'{re.escape(str(tmp_path / 'nope.json'))}' does not exist"):
+        Strategy.parse(str(tmp_path / "nope.json"))
+    p = tmp_path / "bad_method.yaml"
+    p.write_text("version: 1\nmethods: [fsdpp]\n")
+    with pytest.raises(StrategyError, match=rf"strategy file '{re.escape(str(p))}'.*unknown strategy method 'fsdpp'"):
+        Strategy.load(p)
+
+
+@pytest.mark.parametrize("value", ["fsdp", {"version": 1, "methods": []}, 5, {"fsdp"}])
+def test_strategy_constructor_takes_only_lists(value):
+    with pytest.raises(StrategyError, match=r"Strategy\(methods\) takes a list of methods.*Strategy\.parse"):
+        Strategy(value)

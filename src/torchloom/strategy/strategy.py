@@ -14,6 +14,10 @@ from .config import build_config, config_to_dict
 from .registry import Method, resolve_name
 
 FORMAT_VERSION = 1
+FILE_SUFFIXES = (".json", ".yaml", ".yml")
+ACCEPTED_FORMS = ("Accepted: a list of methods (['fsdp', ('amp', {'dtype': 'bfloat16'})]), one method name ('fsdp'), "
+                  "a Strategy, a .json/.yaml/.yml file path (str or Path), a {'version': 1, 'methods': [...]} dict, "
+                  "or None (docs/strategy.md).")
 
 MethodSpecLike = Union[str, tuple, list, dict, Method]
 StrategyLike = Union["Strategy", str, Path, Iterable[MethodSpecLike], None]
@@ -47,12 +51,18 @@ class Strategy:
             canonical method with the config they imply.
 
     Raises:
-        StrategyError: unknown method (closest names suggested), unknown config key (valid keys listed),
+        StrategyError: ``methods`` not a list/tuple/iterable of items (a name, a path, a dict, a set, an
+            int...), unknown method (closest names suggested), unknown config key (valid keys listed),
             bad value type, a method listed twice, a missing requirement, or a conflicting pair (both
             names and the reason).
     """
 
     def __init__(self, methods: Iterable[MethodSpecLike] = ()):
+        if isinstance(methods, (str, bytes, Path, dict, set, frozenset)) or not isinstance(methods, Iterable):
+            raise StrategyError(
+                f"Strategy(methods) takes a list of methods; got {type(methods).__name__} {_short_repr(methods)}. "
+                "Strategy.parse(...) reads a method name, a file path or a file dict. " + ACCEPTED_FORMS
+            )
         entries: list[MethodEntry] = []
         for item in methods:
             entries.append(_parse_item(item))
@@ -144,17 +154,31 @@ class Strategy:
         """Read a JSON/YAML strategy file (safe loaders only; pickle is never accepted).
 
         Raises:
-            StrategyError: missing file, unsupported suffix, unparsable content or invalid strategy.
+            StrategyError: naming the file: missing, unsupported suffix, unreadable (a directory, no
+                permission), not UTF-8 text (e.g. pickle bytes under a .json name), unparsable content, or an
+                invalid strategy inside it.
         """
         path = Path(path)
+        suffix = path.suffix.lower()
+        if suffix not in FILE_SUFFIXES:
+            raise StrategyError(
+                f"strategy file '{path}' must end in .json, .yaml or .yml (pickle files are never loaded; a string "
+                "with '.' or '/' is read as a file path, a method name has neither)."
+            )
         if not path.exists():
             raise StrategyError(f"strategy file '{path}' does not exist.")
-        suffix = path.suffix.lower()
-        if suffix not in (".yaml", ".yml", ".json"):
+        try:
+            raw = path.read_bytes()
+        except OSError as e:  # a directory, no permission, ...
+            raise StrategyError(f"cannot read strategy file '{path}': {e.strerror or e}.") from e
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            hint = " It looks like a pickle;" if raw[:1] == b"\x80" else " Is it a binary file?"
             raise StrategyError(
-                f"strategy file '{path}' must end in .json, .yaml or .yml (pickle files are never loaded)."
-            )
-        text = path.read_text()
+                f"strategy file '{path}' is not UTF-8 text ({e.reason} at byte {e.start}).{hint} strategy files "
+                "are JSON or YAML (Strategy.save writes them); pickle files are never loaded."
+            ) from e
         try:
             if suffix in (".yaml", ".yml"):
                 import yaml
@@ -168,11 +192,23 @@ class Strategy:
             if type(e).__module__.startswith("yaml"):  # yaml.YAMLError
                 raise StrategyError(f"cannot parse strategy file '{path}': {e}") from e
             raise
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except StrategyError as e:
+            raise StrategyError(f"strategy file '{path}': {e}") from e
 
     @classmethod
     def parse(cls, strategy: StrategyLike) -> "Strategy":
-        """Accept a Strategy, a file path, a list of methods, or None (empty strategy)."""
+        """Accept a Strategy, a file path, a method name, a list (or tuple) of methods, a file dict, or None
+        (empty strategy).
+
+        A string is a file path when it ends in .json/.yaml/.yml or looks like a path (it contains '.',
+        '/' or '\\', which no method name does); any other string is one method name.
+
+        Raises:
+            StrategyError: a value of another type (named, with the accepted forms), a path-like string
+                with another suffix, or any error of :meth:`load` / :class:`Strategy`.
+        """
         if strategy is None:
             return cls([])
         if isinstance(strategy, Strategy):
@@ -183,12 +219,23 @@ class Strategy:
                     "strategy='auto' (strategy search) is not available in this version; pass a list of methods, "
                     "e.g. ['fsdp', 'amp'] or a strategy file."
                 )
-            if isinstance(strategy, str) and not strategy.lower().endswith((".json", ".yaml", ".yml")):
+            if isinstance(strategy, str) and not _is_path_like(strategy):
                 # a single method name is a convenient shorthand
                 return cls([strategy])
             return cls.load(strategy)
         if isinstance(strategy, dict):
             return cls.from_dict(strategy)
+        if isinstance(strategy, (set, frozenset)):
+            raise StrategyError(
+                f"strategy is a {type(strategy).__name__} {sorted(strategy, key=repr)}: its order is arbitrary, and "
+                "the order of methods matters (ties in the application order keep it). Pass a list. "
+                + ACCEPTED_FORMS
+            )
+        if isinstance(strategy, (bytes, bytearray, memoryview)) or not isinstance(strategy, Iterable):
+            raise StrategyError(
+                f"strategy must be a list of methods, a Strategy, a file path or None; got "
+                f"{type(strategy).__name__} {_short_repr(strategy)}. " + ACCEPTED_FORMS
+            )
         return cls(list(strategy))
 
     def __eq__(self, other: object) -> bool:
@@ -201,6 +248,16 @@ class Strategy:
             s = e.name + (f"({', '.join(f'{k}={v!r}' for k, v in cfg.items())})" if cfg else "")
             parts.append(s + (" [implied]" if e.implied else ""))
         return f"Strategy[{', '.join(parts)}]"
+
+
+def _is_path_like(s: str) -> bool:
+    """Method names are identifiers; a string with a suffix or a directory part names a file."""
+    return s.lower().endswith(FILE_SUFFIXES) or any(c in s for c in "./\\")
+
+
+def _short_repr(v: Any, limit: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def _normalise_value(v: Any) -> Any:
