@@ -1,7 +1,10 @@
 """Resumable, elastic data loading: an order that is a pure function of (seed, epoch) and a
-position (global samples consumed) that restores exactly, also on another data-parallel size."""
+position (global samples consumed) that restores exactly, also on another data-parallel size;
+evaluation that counts every sample exactly once; ranks that agree when iterable data ends."""
 from torchloom.data.batching import BatchPlan, plan_batches
+from torchloom.data.eval import EvalLoader, eval_loader, reduce_metrics, split_counts
 from torchloom.data.loader import StatefulDataLoader, build_dataloader
 from torchloom.data.sampler import DataError, ElasticDistributedSampler
 
-__all__ = ["BatchPlan", "plan_batches", "DataError", "ElasticDistributedSampler", "StatefulDataLoader", "build_dataloader"]
+__all__ = ["BatchPlan", "plan_batches", "DataError", "ElasticDistributedSampler", "EvalLoader", "StatefulDataLoader",
+           "build_dataloader", "eval_loader", "reduce_metrics", "split_counts"]

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Mapping
 
+import torch.distributed as dist
+
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from torchloom.data.batching import plan_batches
+from torchloom.data.join import UNEVEN_POLICIES, group_size, join_batches
 from torchloom.data.sampler import DataError, ElasticDistributedSampler, _Cursor, _positive_int
 
 __all__ = ["StatefulDataLoader", "build_dataloader"]
@@ -36,6 +39,10 @@ class StatefulDataLoader:
       exact only if the dataset yields the same sequence every time (deterministic iterable, its own
       per-rank sharding, and per-worker sharding when ``num_workers > 0``). If the dataset defines
       ``set_epoch(epoch)`` it is called before each pass. Resume needs the same dp_size/micro batch.
+      With more than one process in ``group`` the ranks agree when the data ends (one small
+      all-gather per optimizer step, see :func:`torchloom.data.join.join_batches`): every rank
+      yields the same number of batches, so none waits in a collective; ``uneven`` says what
+      happens to the surplus ("drop": dropped with a warning; "error": ``DataError`` on every rank).
 
     Epochs: ``iter()`` runs the rest of the current epoch; once a pass ends the position moves to
     the start of the next epoch, so ``for epoch ...: for batch in loader`` needs no ``set_epoch``.
@@ -48,6 +55,9 @@ class StatefulDataLoader:
         sampler: the rank's ``ElasticDistributedSampler``; enables sampler mode.
         batch_size: batch-count mode only (sampler mode uses ``sampler.micro_batch_size``).
         global_batch_size, dp_size: batch-count mode bookkeeping for ``grad_accum_steps``.
+        group: batch-count mode: the ranks that must agree when the data ends (None: the default
+            group, i.e. every process; nothing is exchanged without an initialised process group).
+        uneven: batch-count mode: "drop" (default) or "error", see above.
         **dataloader_kwargs: forwarded to ``DataLoader`` (``num_workers``, ``collate_fn``,
             ``pin_memory``, ``persistent_workers``, ...).
 
@@ -65,10 +75,15 @@ class StatefulDataLoader:
         batch_size: int | None = None,
         global_batch_size: int | None = None,
         dp_size: int = 1,
+        group: dist.ProcessGroup | None = None,
+        uneven: str = "drop",
         **dataloader_kwargs: Any,
     ) -> None:
         _reject_owned(dataloader_kwargs, allow_false_shuffle=sampler is None)
+        if uneven not in UNEVEN_POLICIES:
+            raise DataError(f"uneven={uneven!r} is not valid; use one of {list(UNEVEN_POLICIES)}.")
         self.dataset, self.sampler = dataset, sampler
+        self.group, self.uneven = group, uneven
         self._cursor = _Cursor()
         if sampler is not None:
             if not isinstance(sampler, ElasticDistributedSampler):
@@ -152,17 +167,24 @@ class StatefulDataLoader:
         if callable(getattr(self.dataset, "set_epoch", None)):
             self.dataset.set_epoch(c.epoch)
         it = iter(self.loader)
+        joined = group_size(self.group) > 1  # ranks may hold different numbers of batches: agree on the end
         try:
+            skip_error = None
             for skipped in range(c.consumed):
                 try:
                     next(it)
                 except StopIteration:
-                    raise DataError(
+                    skip_error = DataError(
                         f"resuming epoch {c.epoch} needs to skip {c.consumed} batches but the dataset "
                         f"ended after {skipped}: the iterable is not deterministic or has changed, so "
                         "the position cannot be restored. Fix its order/sharding or restart the epoch."
-                    ) from None
-            for batch in it:
+                    )
+                    if not joined:
+                        raise skip_error from None
+                    break
+            source = join_batches(it, group=self.group, per_step=self.grad_accum_steps, uneven=self.uneven,
+                                  epoch=c.epoch, skip_error=skip_error) if joined else it
+            for batch in source:
                 c.consumed += 1
                 yield batch
         finally:
@@ -226,6 +248,8 @@ def build_dataloader(
     seed: int = 0,
     shuffle: bool = True,
     drop_last: bool = True,
+    group: dist.ProcessGroup | None = None,
+    uneven: str = "drop",
     **dataloader_kwargs: Any,
 ) -> StatefulDataLoader:
     """This rank's resumable loader.
@@ -237,7 +261,11 @@ def build_dataloader(
 
     Map-style datasets get an ``ElasticDistributedSampler`` (``seed``, ``shuffle``, ``drop_last``).
     An ``IterableDataset`` is batched as is: it must yield only this rank's shard itself
-    (``shuffle``/``seed`` are ignored; ``drop_last`` drops a short final batch).
+    (``shuffle``/``seed`` are ignored; ``drop_last`` drops a short final batch). Its ranks may hold
+    different numbers of batches: with more than one process in ``group`` (None: every process) they
+    agree when the data ends, ``uneven="drop"`` (default: the surplus is dropped with a warning that
+    names every rank's count) or ``"error"`` (``DataError`` on every rank); see ``docs/data.md``.
+    Map-style data is even by construction and exchanges nothing.
 
     Raises:
         DataError: neither batch size given; ``global_batch_size`` not divisible by ``dp_size`` or
@@ -250,7 +278,7 @@ def build_dataloader(
     if isinstance(dataset, IterableDataset):
         return StatefulDataLoader(
             dataset, batch_size=mb, global_batch_size=gbs, dp_size=dp_size, drop_last=drop_last,
-            **dataloader_kwargs,
+            group=group, uneven=uneven, **dataloader_kwargs,
         )
     n = _maybe_len(dataset)
     if n is None:

@@ -229,38 +229,38 @@ class Job:
 
     # -- evaluation -----------------------------------------------------------------------------------
     def evaluate(self) -> float:
-        """Mean held-out loss per token over a fixed, evenly spaced subset of the held-out windows (the
-        same subset for any number of ranks, which split it); same value on every rank. Collective: every
-        rank runs the same number of forwards, as FSDP requires. Data-parallel ranks split the windows;
-        tensor/pipeline peers evaluate the same ones (their duplicate sums cancel in the ratio). Under
-        pipeline parallelism every eval batch is a multiple of the schedule's micro-batches (the subset is
-        trimmed to a multiple of dp x micro-batches)."""
-        cfg, res = self.cfg.eval, self.res
-        dp_rank, dp = res.mesh.dp_rank, res.mesh.dp_size
+        """Mean held-out loss per predicted token over exactly the chosen held-out windows (all of them, or with
+        ``eval.batches`` a fixed, evenly spaced subset of ``batches x batch_size``; the same windows for any
+        number of ranks), each counted once; same value on every rank. Data-parallel ranks split the windows
+        with :func:`torchloom.data.eval_loader` (tensor/pipeline peers evaluate the same ones and the sums are
+        reduced over the data-parallel group only). Collective: every rank runs the same number of forwards,
+        as DDP/FSDP/TP/PP require; rows that only keep the shapes valid (a rank with no window left in the
+        last step, pipeline micro-batch padding) get labels -100, so they add no token to the sums."""
+        from torch.utils.data import Subset
+
+        from torchloom.data import eval_loader
         from torchloom.parallel.pipeline.model import PipelinedModel
 
-        # a pipelined forward splits every batch into the schedule's micro-batches: keep each a multiple of them
+        cfg, res = self.cfg.eval, self.res
+        dp = res.mesh.dp_size
+        # a pipelined forward splits every batch into the schedule's micro-batches: pad each to a multiple of them
         micro = res.model.pipeline.num_microbatches if isinstance(res.model, PipelinedModel) else 1
         n = len(self.eval_ds)
-        want = n if cfg.batches is None else min(n, cfg.batches * cfg.batch_size)
-        want -= want % (dp * micro)
-        if want == 0:
-            raise ConfigError(f"the held-out set has {n} windows, fewer than the {dp} data-parallel ranks x "
-                              f"{micro} pipeline micro-batches.")
-        idx = torch.linspace(0, n - 1, want).round().long()[dp_rank::dp]
-        share = max(1, -(-cfg.batch_size // dp))  # this rank's share of one eval batch
-        bs = -(-share // micro) * micro
+        data = self.eval_ds
+        if cfg.batches is not None and cfg.batches * cfg.batch_size < n:
+            data = Subset(self.eval_ds, torch.linspace(0, n - 1, cfg.batches * cfg.batch_size).round().long().tolist())
+        loader = eval_loader(data, -(-cfg.batch_size // dp), mesh=res.mesh, pad_to_multiple_of=micro)
         was_training = res.model.training
         res.model.eval()
-        total = torch.zeros((), dtype=torch.float64)
+        total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         with torch.no_grad():
-            for b in range(0, idx.numel(), bs):
-                part = idx[b:b + bs]
-                total += res.forward_loss(self.eval_ds.batch(part)).double().cpu() * part.numel()
+            for batch in loader:
+                batch["labels"] = batch["labels"].masked_fill(~loader.valid_mask()[:, None], -100)
+                tokens = (batch["labels"][:, 1:] != -100).sum()
+                total += res.forward_loss(batch).double().cpu() * tokens  # the mean per token times its tokens
+                count += tokens
         res.model.train(was_training)
-        t = torch.stack([total, torch.tensor(float(idx.numel()), dtype=torch.float64)])
-        dist.all_reduce(t)
-        return float(t[0] / t[1])
+        return float(loader.reduce_metrics(total, count))
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def save(self, step: int, persist: bool = True) -> Path | None:

@@ -1,0 +1,320 @@
+"""Evaluation loading that counts every sample exactly once, and the metric reductions that go with it.
+
+The training sampler pads an epoch to a multiple of the global batch by repeating samples (and
+``drop_last`` drops the rest); both are fine for training and wrong for a metric. :func:`eval_loader`
+splits the dataset over the data-parallel ranks without padding: full steps give every rank
+``batch_size`` samples, the last step splits what is left as evenly as possible (sizes differ by at most
+one; a rank may get none). Every rank still runs the same number of steps, because a DDP/FSDP/TP/PP
+forward is a collective: a rank with no sample left in a step gets a *filler* batch (a copy of a real
+sample) whose rows ``num_valid`` excludes. :meth:`EvalLoader.gather_for_metrics`,
+:meth:`EvalLoader.valid` and :func:`reduce_metrics` drop the filler rows by construction (the loader knows
+every rank's real row count of every step; for map-style data without any communication).
+
+Only data-parallel ranks split the data: tensor- and pipeline-parallel peers (same dp rank) get the same
+batches, and the reductions run over the data-parallel group, so nothing is counted ``tp x pp`` times.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data._utils.collate import default_collate
+
+from torchloom.data.join import dp_layout, group_size
+from torchloom.data.sampler import DataError, _positive_int
+
+__all__ = ["EvalLoader", "eval_loader", "reduce_metrics", "split_counts"]
+
+
+def split_counts(num_samples: int, batch_size: int, dp_size: int) -> list[list[int]]:
+    """Real samples per rank of every evaluation step: ``counts[step][rank]``.
+
+    Full steps give ``batch_size`` to every rank; the last step's ``m < dp_size * batch_size`` samples
+    are split ``m // dp_size`` each, one more for the first ``m % dp_size`` ranks. Rank ``r`` of step ``k``
+    reads the contiguous dataset positions ``k*dp_size*batch_size + sum(counts[k][:r])`` onwards, so the
+    ranks' rows of a step concatenated in rank order, step after step, are the dataset in order.
+    """
+    step = dp_size * batch_size
+    out = [[batch_size] * dp_size for _ in range(num_samples // step)]
+    rest = num_samples % step
+    if rest:
+        q, extra = divmod(rest, dp_size)
+        out.append([q + (r < extra) for r in range(dp_size)])
+    return out
+
+
+class _EvalBatches:
+    """Batch sampler of one rank: the step's real indices, then filler copies of the step's first sample
+    (a rank with none gets one; ``pad_to_multiple_of`` rounds the rows up)."""
+
+    def __init__(self, counts: list[list[int]], batch_size: int, rank: int, multiple: int):
+        self.counts, self.batch_size, self.rank, self.multiple = counts, batch_size, rank, multiple
+
+    def rows(self, k: int) -> int:
+        return _padded_rows(self.counts[k][self.rank], self.multiple)
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        dp = len(self.counts[0]) if self.counts else 1
+        for k, c in enumerate(self.counts):
+            first = k * dp * self.batch_size
+            lo = first + sum(c[: self.rank])
+            real = list(range(lo, lo + c[self.rank]))
+            yield real + [first] * (self.rows(k) - len(real))
+
+
+def _padded_rows(valid: int, multiple: int) -> int:
+    return max(1, math.ceil(valid / multiple)) * multiple
+
+
+class EvalLoader:
+    """This data-parallel rank's evaluation batches: each sample of the dataset exactly once over all ranks.
+
+    Iterate it on every rank of the group (all get the same number of batches, so collective forwards
+    match). After each yielded batch:
+
+    * ``num_valid``: how many leading rows of the batch are real samples; the rest (only when this rank has
+      no sample left in the step, or with ``pad_to_multiple_of``) are filler rows, copies of a real sample
+      that exist so the forward runs with a valid shape. Never count them.
+    * :meth:`valid` slices a per-row tensor to its real rows; :meth:`valid_mask` is the ``(rows,)`` bool mask.
+    * :meth:`gather_for_metrics` all-gathers per-row tensors of the step over the group, filler dropped.
+
+    Map-style datasets (``len``) are split by :func:`split_counts` (no communication; ``len(loader)`` is the
+    same on every rank). An ``IterableDataset`` yields this rank's own shard (its own sharding, like
+    training); ranks may hold different amounts: every step all-gathers one int per rank (the real rows it
+    has) and the loop ends when every rank has run out; ranks that ran out earlier get filler batches until
+    then (a rank whose shard is empty gets its filler sample from the first rank with data, once). Nothing
+    is dropped. Tensor/pipeline peers of one dp rank must yield the same data (they run the same forwards).
+
+    Args:
+        dataset: map-style (with ``__len__``) or ``IterableDataset``.
+        batch_size: samples per rank per step (``int >= 1``).
+        dp_rank, dp_size, group: the data-parallel layout (see :func:`eval_loader`).
+        pad_to_multiple_of: batch rows are rounded up to a multiple of it with filler rows (pipeline
+            parallel: the schedule's ``num_microbatches``).
+        collate_fn: builds a batch from a list of samples (default ``default_collate``).
+        **dataloader_kwargs: forwarded to ``torch.utils.data.DataLoader`` (``num_workers``,
+            ``pin_memory``, ...); ``sampler``/``batch_sampler``/``batch_size``/``shuffle``/``drop_last``
+            are owned here.
+
+    Raises:
+        DataError: bad sizes, an owned DataLoader argument, or a map-style dataset without ``__len__``.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, *, dp_rank: int, dp_size: int,
+                 group: dist.ProcessGroup | None = None, pad_to_multiple_of: int = 1,
+                 collate_fn: Callable[[list[Any]], Any] | None = None, **dataloader_kwargs: Any) -> None:
+        owned = [k for k in ("sampler", "batch_sampler", "batch_size", "shuffle", "drop_last") if k in dataloader_kwargs]
+        if owned:
+            raise DataError(f"{owned} are not accepted by eval_loader: it owns the order and the batching (every "
+                            "sample exactly once, no shuffling, no dropping).")
+        self.dataset, self.group = dataset, group
+        self.batch_size = _positive_int("batch_size", batch_size)
+        self.multiple = _positive_int("pad_to_multiple_of", pad_to_multiple_of)
+        self.dp_rank, self.dp_size = dp_rank, _positive_int("dp_size", dp_size)
+        self.collate_fn = collate_fn or default_collate
+        self.iterable = isinstance(dataset, IterableDataset)
+        self.num_valid, self.rows, self.step = 0, 0, -1
+        self._counts: list[int] = []  # every rank's real rows of the current step
+        if self.iterable:
+            # one sample at a time from the workers; batches are formed here so a filler sample can be kept
+            self.loader = DataLoader(dataset, batch_size=None, collate_fn=_identity, **dataloader_kwargs)
+            self.plan = None
+            return
+        try:
+            self.num_samples = len(dataset)
+        except TypeError:
+            raise DataError(f"{type(dataset).__name__} has neither __len__ nor is it an IterableDataset; give a "
+                            "map-style dataset a __len__.") from None
+        self.plan = split_counts(self.num_samples, self.batch_size, self.dp_size)
+        self.loader = DataLoader(dataset, batch_sampler=_EvalBatches(self.plan, self.batch_size, dp_rank,
+                                                                     self.multiple),
+                                 collate_fn=self.collate_fn, **dataloader_kwargs)
+
+    def __len__(self) -> int:
+        """Steps of a pass (map-style; the same on every rank). Iterable datasets: ``TypeError``."""
+        if self.plan is None:
+            raise TypeError("the number of evaluation steps of an IterableDataset is known only at its end.")
+        return len(self.plan)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._iter_iterable() if self.iterable else self._iter_map()
+
+    def _iter_map(self) -> Iterator[Any]:
+        for k, batch in enumerate(self.loader):
+            self._set(k, self.plan[k], self.loader.batch_sampler.rows(k))
+            yield batch
+        self.step = -1
+
+    def _iter_iterable(self) -> Iterator[Any]:
+        it, filler, k = iter(self.loader), None, 0
+        try:
+            while True:
+                samples = [s for _, s in zip(range(self.batch_size), it)]
+                if samples and filler is None:
+                    filler = samples[0]
+                counts, has_filler = self._exchange(len(samples), filler is not None)
+                if not any(counts):
+                    break
+                if not all(has_filler):  # a rank whose shard is empty needs a sample to run the forward with
+                    filler = self._share_filler(counts, filler)
+                rows = _padded_rows(len(samples), self.multiple)
+                batch = self.collate_fn(samples + [samples[0] if samples else filler] * (rows - len(samples)))
+                self._set(k, counts, rows)
+                yield batch
+                k += 1
+        finally:
+            del it
+        self.step = -1
+
+    def _exchange(self, valid: int, has_filler: bool) -> tuple[list[int], list[bool]]:
+        """All-gather ``(real rows, has a filler sample)`` of every rank (one small tensor per step)."""
+        if self.dp_size == 1:
+            return [valid], [has_filler]
+        self._check_group()
+        mine = torch.tensor([valid, int(has_filler)], dtype=torch.int64)
+        allv = [torch.zeros_like(mine) for _ in range(self.dp_size)]
+        dist.all_gather(allv, mine, group=self.group)
+        return [int(v[0]) for v in allv], [bool(v[1]) for v in allv]
+
+    def _share_filler(self, counts: list[int], filler: Any) -> Any:
+        src = next(r for r, c in enumerate(counts) if c)
+        box = [filler if self.dp_rank == src else None]
+        dist.broadcast_object_list(box, src=_global_rank(self.group, src), group=self.group)
+        return filler if filler is not None else box[0]
+
+    def _set(self, k: int, counts: list[int], rows: int) -> None:
+        self.step, self._counts, self.rows, self.num_valid = k, list(counts), rows, counts[self.dp_rank]
+
+    # -- metrics ---------------------------------------------------------------------------------------------
+    @property
+    def is_filler(self) -> bool:
+        """The batch just yielded holds no real sample (run its forward, count nothing)."""
+        return self.num_valid == 0
+
+    @property
+    def step_counts(self) -> list[int]:
+        """Real rows of every dp rank in the current step (rank order)."""
+        return list(self._counts)
+
+    def valid_mask(self) -> torch.Tensor:
+        """``(rows,)`` bool: True for the real rows of the batch just yielded."""
+        return torch.arange(self.rows) < self.num_valid
+
+    def valid(self, values: torch.Tensor) -> torch.Tensor:
+        """``values[:num_valid]``: a per-row tensor of the batch just yielded (dim 0 = its rows) cut to the
+        real samples. Raises DataError if dim 0 is not the batch's row count."""
+        self._check_rows(values)
+        return values[: self.num_valid]
+
+    def gather_for_metrics(self, values: torch.Tensor) -> torch.Tensor:
+        """All-gather a per-row tensor of the current step over the data-parallel group, filler dropped.
+
+        Collective: every rank of the group calls it once for the same step. ``values`` has the batch's rows
+        (or exactly its ``num_valid`` real rows) in dim 0, any trailing shape and dtype, on the device the
+        group's backend uses. Returns ``(sum(step_counts), ...)``: the step's real rows of rank 0, 1, ... in
+        order, which for map-style data is the dataset order. Same result on every rank.
+        """
+        if self.step < 0:
+            raise DataError("gather_for_metrics needs the batch the loader just yielded: call it inside the loop.")
+        if values.dim() == 0 or values.shape[0] != self.num_valid:
+            values = self.valid(values)
+        if self.dp_size == 1:
+            return values.clone()
+        self._check_group()
+        most = max(self._counts)
+        padded = values.new_zeros((most, *values.shape[1:]))
+        padded[: self.num_valid] = values
+        parts = [torch.empty_like(padded) for _ in range(self.dp_size)]
+        dist.all_gather(parts, padded.contiguous(), group=self.group)
+        return torch.cat([p[:c] for p, c in zip(parts, self._counts)])
+
+    def reduce_metrics(self, total: torch.Tensor | float, count: torch.Tensor | float) -> torch.Tensor:
+        """:func:`reduce_metrics` over this loader's data-parallel group."""
+        if self.dp_size > 1:
+            self._check_group()
+        return reduce_metrics(total, count, group=self.group if self.dp_size > 1 else _NO_GROUP)
+
+    def _check_group(self) -> None:
+        size = group_size(self.group)
+        if size != self.dp_size:
+            raise DataError(f"this evaluation step needs a collective over the {self.dp_size} data-parallel ranks, but "
+                            f"the {'given' if self.group is not None else 'default'} process group has {size} "
+                            "rank(s); build the loader with mesh=res.mesh or group=<the data-parallel group>.")
+
+    def _check_rows(self, values: torch.Tensor) -> None:
+        if values.dim() == 0 or values.shape[0] != self.rows:
+            raise DataError(f"expected a per-row tensor with {self.rows} rows in dim 0 (the batch just yielded, "
+                            f"{self.num_valid} of them real), got shape {tuple(values.shape)}.")
+
+
+_NO_GROUP = object()
+
+
+def reduce_metrics(total: torch.Tensor | float, count: torch.Tensor | float,
+                   group: dist.ProcessGroup | None | object = None) -> torch.Tensor:
+    """``sum(total) / sum(count)`` over the data-parallel group, in float64: the mean of a metric over exactly
+    the samples the ranks counted.
+
+    Args:
+        total: this rank's summed metric over its *real* rows (a number, or a tensor of several metrics).
+        count: what ``total`` sums over (samples, tokens, ...): a number or a tensor of ``total``'s shape.
+        group: the data-parallel group (None: the default group when a process group is initialised).
+            Reduce over data-parallel ranks only: tensor/pipeline peers hold copies of the same numbers.
+
+    Returns:
+        float64 CPU tensor of ``total``'s shape; the same on every rank. Collective when distributed.
+
+    Raises:
+        DataError: a global count of zero (nothing was counted) or mismatched shapes.
+    """
+    t = torch.as_tensor(total, dtype=torch.float64).detach().cpu()
+    c = torch.as_tensor(count, dtype=torch.float64).detach().cpu()
+    try:
+        c = c.expand_as(t) if c.dim() == 0 else c
+        both = torch.stack([t.reshape(-1), c.reshape(-1)])
+    except RuntimeError:
+        raise DataError(f"count of shape {tuple(c.shape)} does not fit total of shape {tuple(t.shape)}.") from None
+    if group is not _NO_GROUP and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(both, group=group)
+    if (both[1] == 0).any():
+        raise DataError("reduce_metrics: the global count is 0 (no sample was counted on any rank); check that "
+                        "the metric's count covers the real rows (EvalLoader.num_valid), not filler batches.")
+    return (both[0] / both[1]).reshape(t.shape)
+
+
+def eval_loader(dataset: Dataset, batch_size: int, *, mesh: Any = None, group: dist.ProcessGroup | None = None,
+                dp_rank: int | None = None, dp_size: int | None = None, pad_to_multiple_of: int = 1,
+                **kwargs: Any) -> EvalLoader:
+    """This rank's :class:`EvalLoader` (every sample once over the data-parallel ranks; no padding).
+
+    The data-parallel layout comes from the first given of: ``mesh`` (a :class:`ParallelMesh`, e.g.
+    ``res.mesh``: its ``dp`` rank, size and group, so tensor/pipeline peers read the same samples),
+    ``group`` (a process group whose ranks split the data), ``dp_rank``/``dp_size`` (explicit; collectives
+    then use the default group, which must be exactly the data-parallel ranks), else the default process
+    group (or one process).
+
+    Args:
+        batch_size: samples per rank per step. ``pad_to_multiple_of``, ``collate_fn`` and DataLoader
+            arguments: see :class:`EvalLoader`.
+
+    Raises:
+        DataError: an invalid layout or batch size (see :class:`EvalLoader`).
+    """
+    rank, size, grp = dp_layout(mesh=mesh, group=group, dp_rank=dp_rank, dp_size=dp_size)
+    return EvalLoader(dataset, batch_size, dp_rank=rank, dp_size=size, group=grp,
+                      pad_to_multiple_of=pad_to_multiple_of, **kwargs)
+
+
+def _global_rank(group: dist.ProcessGroup | None, rank_in_group: int) -> int:
+    return rank_in_group if group is None else dist.get_global_rank(group, rank_in_group)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
