@@ -4,6 +4,8 @@ The mechanics (styles, per-family plans, application) live in ``torchloom.parall
 """
 from __future__ import annotations
 
+import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -13,7 +15,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from ..errors import StrategyError
 from ..parallel.tensor import Flags, auto_plan, check_divisible, custom_plan, parallelize_part, resolve_plan
 from ..parallel.tensor.apply import check_fsdp_compatible
+from ..parallel.tensor import probe as tp_probe
 from ..parallel.tensor.checkpointing import install_model_hook, install_optimizer_hook
+from ..parallel.tensor.heads import describe as describe_heads
 from ..parallel.tensor.optim import parameter_layouts
 from ..parallel.tensor.styles import SEQUENCE_STYLES, check_style_name
 from ..strategy.registry import Method, Stage, register_method
@@ -29,10 +33,15 @@ class TensorParallelConfig:
         ``"model.layers.*.self_attn.q_proj"``) to style names:
         colwise, rowwise, colwise_gather, lm_head, vocab_embedding, embedding_colwise, fused_qkv, moe_experts,
         sequence_parallel, sp_gather_input, sp_gather_input_scatter_output (docs/methods/tensor_parallel.md).
+    verify: once at apply, run one representative block of each kind on a small probe input before and after
+        sharding and stop with a StrategyError when the outputs differ (``torchloom.parallel.tensor.probe``:
+        a module whose own code still assumes full-size head counts). Skipped for a model on the meta device.
+        ``False`` skips the probe (the head-count attributes of a user plan are still divided, with a warning).
     """
 
     size: int | None = None
     plan: str | dict[str, str] = "auto"
+    verify: bool = True
 
     def __post_init__(self):
         if self.size is not None and self.size < 1:
@@ -106,6 +115,7 @@ class TensorParallel(Method):
             if "fsdp" in ctx.strategy:
                 check_fsdp_compatible(part, r)
         mesh = ctx.mesh["tp"]
+        probes, skipped = self._record_probes(parts, resolved, mesh)
         counts: Counter = Counter()
         for part, r in zip(parts, resolved):
             counts.update(parallelize_part(part, mesh, r, flags))
@@ -115,6 +125,63 @@ class TensorParallel(Method):
         ctx.note(f"tensor_parallel: tp={tp}, {plans[0].family} plan over {len(parts)} part(s): {styles}"
                  + (", sequence parallel" if flags.sequence_parallel else "")
                  + (", loss parallel (vocab-sharded logits)" if flags.loss_parallel else ""))
+        heads = [h for r in resolved for h in r.head_attrs]
+        if heads:
+            ctx.note(f"tensor_parallel: divided head-count attributes by tp={tp} (user plan; modules whose "
+                     f"projections are column-wise sharded): {describe_heads(heads, tp)}")
+        unverified = self._compare_probes(ctx, parts, resolved, probes, mesh, flags, skipped)
+        guessed = [h for h in heads if unverified is True or any(h.module == u or h.module.startswith(u + ".")
+                                                                  for u in unverified)]
+        if guessed:
+            warnings.warn(
+                f"tensor_parallel: divided head-count attributes by tp={tp}: {describe_heads(guessed, tp)}, without "
+                "verifying the sharded forward (verify is off, the model is on the meta device, or the module "
+                "could not be probed). If the module used them for anything but the per-rank head count, or keeps "
+                "another full-size count, it computes a different function; run once with verify=True on a "
+                "CPU-built model (docs/methods/tensor_parallel.md).", stacklevel=2)
+
+    def _record_probes(self, parts, resolved, mesh):
+        """The probe's reference (before sharding), or None and why it is skipped."""
+        if not self.config.verify:
+            return None, "verify=False"
+        if any(t.is_meta for part in parts for t in [*part.parameters(), *part.buffers()]):
+            return None, "the model is on the meta device (its weights are not real yet)"
+        start = time.perf_counter()
+        probes = [tp_probe.record(part, r.targets, mesh) for part, r in zip(parts, resolved)]
+        self._probe_seconds = time.perf_counter() - start
+        return probes, None
+
+    def _compare_probes(self, ctx, parts, resolved, probes, mesh, flags, skipped):
+        """Compare the sharded forward with the probe's reference; returns True (nothing verified) or the
+        regions that could not be probed.
+
+        Raises:
+            StrategyError: a region's sharded output differs, naming it, its projections and the fix.
+        """
+        if probes is None:
+            ctx.note(f"tensor_parallel: sharded forward not verified ({skipped})")
+            return True
+        start = time.perf_counter()
+        diffs, unverified = {}, {}
+        for part, r, probe in zip(parts, resolved, probes):
+            d, failures = tp_probe.compare(part, probe, r.targets, mesh, flags.sequence_parallel)
+            if failures:
+                raise StrategyError(_probe_error(part, r, failures, mesh.size()))
+            diffs.update(d)
+            unverified.update(probe.unverified)
+        seconds = self._probe_seconds + time.perf_counter() - start
+        if diffs:
+            worst = max(diffs.values())
+            ctx.note(f"tensor_parallel: sharded forward verified on a probe input for {', '.join(diffs)} (largest "
+                     f"relative difference {worst:.1e}; {seconds:.2f} s)")
+        if unverified:
+            msg = ("tensor_parallel: sharded forward not verified for "
+                   + "; ".join(f"{n} ({why})" for n, why in unverified.items()))
+            ctx.note(msg)
+            if any(r.plan.family == "custom" for r in resolved):
+                warnings.warn(msg + ". Check that these modules work on sharded widths, or write their forward "
+                              "so it can be called with the hidden states alone.", stacklevel=3)
+        return list(unverified)
 
     def wrap_optimizer(self, ctx) -> None:
         if ctx.mesh.dims.tp > 1:
@@ -159,6 +226,31 @@ class LossParallel(Method):
         if ctx.mesh.dims.tp > 1:
             ctx.step_contexts.append(loss_parallel)
             ctx.note("loss_parallel: cross-entropy on vocab-sharded logits inside loss_parallel()")
+
+
+def _probe_error(part, resolved, failures: dict[str, str], tp: int) -> str:
+    """The StrategyError text for regions whose sharded forward differs: module, class, sharded projections,
+    the head counts torchloom adjusted there, and the fix."""
+    modules = dict(part.named_modules())
+    lines = []
+    for region, why in failures.items():
+        inner = [f"{n} ({s})" for n, s in resolved.targets.items()
+                 if n.startswith(region + ".") and s in tp_probe.COLUMN_STYLES]
+        adjusted = [f"{h.module}.{h.attr} {h.value} -> {h.value // tp}" for h in resolved.head_attrs
+                    if h.module == region or h.module.startswith(region + ".")]
+        lines.append(f"{region} ({type(modules[region]).__name__}) {why}; its column-wise sharded projections "
+                     f"{', '.join(inner)} hold 1/{tp} of their output features per rank"
+                     + (f"; torchloom divided {', '.join(adjusted)}" if adjusted else ""))
+    return (
+        "tensor_parallel: the sharded model computes a different function: " + "; ".join(lines) + ". Typically the "
+        "module's code splits the projections' outputs with a full-size head count of its own (q.reshape(B, T, "
+        "n_heads, -1) with the count in a closure, a tuple, a shared config object, or derived from the input "
+        "width). torchloom divides int attributes named like a head count (n_heads, num_heads, n_head, "
+        "num_attention_heads, num_key_value_heads, n_kv_heads, ...) on the direct parent of column-wise sharded "
+        "projections; store the module's head count in such an attribute, or reshape with the per-head width "
+        "(view(B, T, -1, head_dim)). If the difference is expected (the module is not deterministic in eval mode), "
+        "pass ('tensor_parallel', {'verify': False}) to skip this check."
+    )
 
 
 def _check_patterns_matched(ctx, parts, plans, resolved) -> None:

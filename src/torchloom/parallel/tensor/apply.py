@@ -1,13 +1,15 @@
 """Apply a tensor-parallel plan to one module (the model or a pipeline stage) with ``parallelize_module``.
 
-Steps: resolve the plan's patterns to module names; check every split dimension divides tp (before any
-change, so a bad degree leaves the model untouched); shard module by module; divide the per-rank head
-attributes; re-tie parameters that were shared before sharding (each owner got its own DTensor).
+Steps: resolve the plan's patterns to module names (and, for a user plan, the head-count attributes of the
+modules whose projections are column-wise sharded, :mod:`.heads`); check every split dimension and head count
+divides tp (before any change, so a bad degree leaves the model untouched); shard module by module; divide
+the per-rank head attributes; re-tie parameters that were shared before sharding (each owner got its own
+DTensor).
 """
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from torch import nn
@@ -17,6 +19,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from ...errors import StrategyError
 from .conv1d import is_conv1d
+from .heads import HeadAttr, divide_head_attrs, find_head_attrs
 from .plans import TPPlan
 from .styles import SHARDING_STYLES, Flags, check_applicable, split_sizes, style_for
 
@@ -24,11 +27,13 @@ from .styles import SHARDING_STYLES, Flags, check_applicable, split_sizes, style
 @dataclass
 class ResolvedPlan:
     """A plan bound to one module: ``targets`` maps module name -> style (plan order); ``matched`` holds the
-    patterns that matched at least one module here."""
+    patterns that matched at least one module here; ``head_attrs`` the head counts a user plan divides by tp
+    (:func:`.heads.find_head_attrs`; empty for built-in plans, whose families list their own)."""
 
     plan: TPPlan
     targets: dict[str, str]
     matched: set[str]
+    head_attrs: list[HeadAttr] = field(default_factory=list)
 
 
 def resolve_plan(part: nn.Module, plan: TPPlan) -> ResolvedPlan:
@@ -53,7 +58,12 @@ def resolve_plan(part: nn.Module, plan: TPPlan) -> ResolvedPlan:
             check_applicable(style, module, name)
             owner[name], targets[name] = pattern, style
             matched.add(pattern)
-    return ResolvedPlan(plan, targets, matched)
+    heads: list[HeadAttr] = []
+    if plan.family == "custom":
+        known = {name: attrs for pattern, attrs in plan.local_attrs.items() for name in modules
+                 if name and name_matches(name, pattern)}
+        heads = find_head_attrs(part, targets, known)
+    return ResolvedPlan(plan, targets, matched, heads)
 
 
 def name_matches(name: str, pattern: str) -> bool:
@@ -94,6 +104,14 @@ def check_divisible(part: nn.Module, resolved: ResolvedPlan, tp: int) -> None:
                         f"tensor_parallel: {name}.{attr} = {value} is not divisible by tp={tp}. Use a tp degree "
                         f"that divides it ({_divisors(value)})."
                     )
+    for h in resolved.head_attrs:
+        if h.value % tp:
+            raise StrategyError(
+                f"tensor_parallel: {h.module}.{h.attr} = {h.value} ({type(modules[h.module]).__name__}) is not "
+                f"divisible by tp={tp}: its column-wise sharded projections ({', '.join(h.children)}) cannot give "
+                f"every rank whole heads. Use a tp degree that divides {h.value} ({_divisors(h.value)}) or change "
+                "the model's head count."
+            )
 
 
 def check_fsdp_compatible(part: nn.Module, resolved: ResolvedPlan) -> None:
@@ -137,6 +155,7 @@ def parallelize_part(part: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan, 
             for attr in attrs:
                 if isinstance(getattr(module, attr, None), int):
                     setattr(module, attr, getattr(module, attr) // tp)
+    divide_head_attrs(part, resolved.head_attrs, tp)
     _retie(ties)
     return applied
 
