@@ -16,3 +16,13 @@ class CheckpointError(TorchloomError, RuntimeError):
 
 class LossScaleError(TorchloomError, FloatingPointError):
     """The dynamic fp16 loss scale fell to its floor: the gradients overflow at every scale."""
+
+
+class GradientSyncError(TorchloomError, RuntimeError):
+    """Data-parallel gradients of a step were not all synchronised (e.g. DDP parameters that got no
+    gradient); raised before the optimizer steps on them, naming the parameters and the fix."""
+
+
+class ReplicaDivergenceError(TorchloomError, RuntimeError):
+    """Data-parallel replicas that must hold identical parameters differ; names the first parameter and
+    the ranks."""

@@ -1,0 +1,176 @@
+"""Parameters that get no gradient in a step: stop DDP before it steps on unreduced gradients, and keep
+FSDP2's reduce-scatter the same on every rank.
+
+Why. DDP (``find_unused_parameters=False``) launches a gradient bucket only when every parameter in it got
+its gradient; a parameter the loss does not depend on keeps its bucket (and every later one) from being
+all-reduced. ``backward()`` still returns, so the optimizer steps on the local, unreduced gradients and
+the replicas differ; PyTorch reports it only at the next forward ("Expected to have finished reduction in
+the prior iteration"). :func:`check_ddp_reduced` asks the reducer right after backward, before anything
+steps, and names the parameters.
+
+FSDP2 reduce-scatters, per unit, only the parameters that have a gradient on this rank. When a branch is
+taken on some ranks and not on others, the ranks reduce different tensors: gloo aborts ("Received data
+size doesn't match expected size"), NCCL may hang or mix gradients (pytorch/pytorch issue 158719).
+:func:`install_fsdp_zero_fill` gives every trainable parameter of a unit that runs its post-backward a
+zero gradient when it has none, so all ranks reduce the same tensors and a missing gradient counts as 0 in
+the average (what DDP's ``find_unused_parameters`` and FSDP1's flat parameters do).
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..errors import GradientSyncError
+
+#: path components that wrapper modules insert (DDP, torch.compile, activation checkpointing, FSDP1)
+_WRAPPER_PARTS = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+_SHOW = 8  # parameter names listed in an error (then "... and N more")
+
+
+def clean_name(name: str) -> str:
+    """``name`` without the components wrapper modules insert (``module.``, ``_orig_mod.``, ...), i.e. the
+    plain model's FQN."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
+def list_names(names: list[str], show: int = _SHOW) -> str:
+    """``a, b, c ... and N more`` for an error message."""
+    head = ", ".join(names[:show])
+    return head + (f" ... and {len(names) - show} more" if len(names) > show else "")
+
+
+def ddp_reducer_names(ddp: DistributedDataParallel) -> list[str]:
+    """FQNs of the parameters DDP's reducer tracks, in its index order (as
+    ``DistributedDataParallel._build_params_for_reducer`` lists them: trainable, not ignored, deduplicated)."""
+    ignored = getattr(ddp, "parameters_to_ignore", set()) or set()
+    seen, names = set(), []
+    for mod_name, mod in ddp.module.named_modules():
+        for p_name, p in mod.named_parameters(recurse=False):
+            fqn = f"{mod_name}.{p_name}" if mod_name else p_name
+            if not p.requires_grad or fqn in ignored or id(p) in seen:
+                continue
+            seen.add(id(p))
+            names.append(clean_name(fqn))
+    return names
+
+
+def _unreduced_names(ddp: DistributedDataParallel, message: str) -> list[str]:
+    """Names of the parameters the reducer is still waiting for: its error lists their indices."""
+    names = ddp_reducer_names(ddp)
+    m = re.search(r"did not receive grad for rank \d+:\s*([\d ]+)", message)
+    if m:
+        idx = [int(i) for i in m.group(1).split()]
+        if all(i < len(names) for i in idx):
+            return [names[i] for i in idx]
+    # another message layout: the trainable parameters without a gradient (zero_grad(set_to_none=True))
+    return [clean_name(n) for n, p in ddp.module.named_parameters() if p.requires_grad and p.grad is None]
+
+
+def check_ddp_reduced(models: Iterable[nn.Module], optimizer_step: int, rank: int) -> None:
+    """Raise :class:`GradientSyncError` if a DDP model's last backward did not all-reduce every bucket.
+
+    Call after the (last) backward of an optimizer step and before anything uses the gradients. Costs a flag
+    read (``Reducer._check_reducer_finalized``); models that are not DDP, and backward passes under
+    ``no_sync()``, are skipped.
+
+    Args:
+        models: the modules to check (DDP ones are checked).
+        optimizer_step: the number of optimizer steps already taken (0 = the first); shapes the advice.
+        rank: this process's global rank, for the message.
+
+    Raises:
+        GradientSyncError: names the parameters that got no gradient on this rank and the DDP options that
+            fix it. Raised before the optimizer step, so the parameters are still the same on every rank.
+    """
+    for m in models:
+        if not isinstance(m, DistributedDataParallel):
+            continue
+        try:
+            m._check_reducer_finalized()
+        except RuntimeError as e:
+            raise GradientSyncError(_ddp_message(m, str(e), optimizer_step, rank)) from None
+
+
+def _ddp_message(ddp: DistributedDataParallel, raw: str, step: int, rank: int) -> str:
+    names = _unreduced_names(ddp, raw)
+    total = len(ddp_reducer_names(ddp))
+    head = (f"ddp: at optimizer step {step}, {len(names)} of {total} trainable parameters got no gradient on rank "
+            f"{rank} ({list_names(names) or 'unknown'}), so DDP did not all-reduce the gradient buckets that hold "
+            "them; stepping would make the replicas differ. torchloom stopped before the optimizer step (the "
+            "parameters are still the same on every rank).")
+    if getattr(ddp, "static_graph", False):
+        fix = ("static_graph: true needs the same parameters used at every step; these were used at an earlier "
+               "step. Use ('ddp', {'find_unused_parameters': True}) instead.")
+    elif step > 0:
+        fix = ("They got gradients at earlier steps, so the set of used parameters changes from step to step: "
+               "use ('ddp', {'find_unused_parameters': True}) (static_graph is not valid for such a model).")
+    else:
+        fix = ("Fix one of: (1) parameters that should not train: p.requires_grad_(False) before auto_accelerate, "
+               "or make the loss use the output they produce; (2) the same parameters are unused at every step: "
+               "('ddp', {'static_graph': True}) (no per-step cost); (3) the set changes from step to step or from "
+               "rank to rank: ('ddp', {'find_unused_parameters': True}) (a graph search per step).")
+    return f"{head} {fix}"
+
+
+def explain_ddp_backward_error(err: RuntimeError) -> str | None:
+    """A torchloom explanation for DDP errors raised inside ``backward()`` (static graph changed), or None."""
+    msg = str(err)
+    if "static_graph" in msg and "graph has changed" in msg:
+        return ("[torchloom] static_graph: true needs the same parameters used at every step, but a parameter "
+                "that got no gradient at the first step got one now. Use ('ddp', {'find_unused_parameters': "
+                "True}). Nothing was stepped on unreduced gradients.")
+    if "find_unused_parameters" in msg:
+        return ("[torchloom] some parameters received no gradient; with torchloom enable it in the strategy: "
+                "('ddp', {'find_unused_parameters': True}).")
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ FSDP2
+def install_fsdp_zero_fill(modules: Iterable[nn.Module]) -> int:
+    """Make every FSDP2 unit in ``modules`` reduce the same parameters on every rank.
+
+    A trainable parameter without a gradient on this rank (its loss did not use it) joins the
+    reduce-scatter with a zero gradient, so the collective has the same shapes everywhere and the result is
+    the correct average (this rank contributes 0), as DDP's ``find_unused_parameters`` gives. A parameter
+    that no rank used gets a zero gradient instead of None, so weight decay and momentum still move it
+    (FSDP1's behaviour); freeze it (``requires_grad_(False)``) to leave it alone. Frozen parameters are
+    never reduced. Uses ``FSDPModule.set_reduce_scatter_unused_params`` (torch >= 2.10); on older torch
+    each unit's ``post_backward`` fills the missing gradients first.
+
+    Returns:
+        The number of FSDP modules set (0 without FSDP2).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    count = 0
+    for root in modules:
+        for mod in root.modules():
+            if not isinstance(mod, FSDPModule):
+                continue
+            count += 1
+            if hasattr(mod, "set_reduce_scatter_unused_params"):
+                mod.set_reduce_scatter_unused_params(True, recurse=False)
+                continue
+            state = mod._get_fsdp_state()
+            for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:
+                if group is not None and not getattr(group, "_torchloom_zero_fill", False):
+                    group.post_backward = _zero_fill_first(group, group.post_backward)
+                    group._torchloom_zero_fill = True
+    return count
+
+
+def _zero_fill_first(group, post_backward):
+    """Older torch: give trainable parameters without a gradient a zero one before FSDP reduces."""
+    def wrapped(*args, **kwargs):
+        for fp in group.fsdp_params:
+            if not hasattr(fp, "_unsharded_param") or not fp.sharded_param.requires_grad:
+                continue
+            if fp.unsharded_accumulated_grad is None and fp.unsharded_param.grad is None:
+                fp.unsharded_param.grad = torch.zeros_like(fp.unsharded_param)
+        return post_backward(*args, **kwargs)
+
+    return wrapped
