@@ -9,7 +9,8 @@ came out identical (``q_proj.weight`` rows 0-15 == rows 16-31 on 2 ranks), and t
 the layout. ``distinct_halves`` checks that symptom directly.
 
 Layouts: fsdp on Llama, tied Llama and two plain torch models (one whose init reads an earlier init's
-value, one with a model-level ``init_weights()``) on 2 ranks; fsdp, HSDP 2x2, TP 2 x FSDP 2 (Llama, and
+value, one with a model-level ``init_weights()``) and ddp on Llama and tied Llama (every rank materialises
+the whole model) on 2 ranks; fsdp, HSDP 2x2, TP 2 x FSDP 2 (Llama, and
 GPT-2 whose fused ``c_attn`` is ``_StridedShard``), PP 2 x FSDP 2 (1F1B, and interleaved with 2 stages per
 rank) and tied GPT-2 under PP 2 x FSDP 2 on 4 ranks. Each group runs in one launch.
 """
@@ -19,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import torchloom
 import torchloom.parallel.materialize as materialize
@@ -32,7 +34,8 @@ PP_FSDP = [("parallel_mode", {"pp": 2, "dp_shard": 2}), "pipeline_parallel", "fs
 PP_V_FSDP = [("parallel_mode", {"pp": 2, "dp_shard": 2}), ("pipeline_parallel", {"schedule": "interleaved_1f1b"}),
              "fsdp"]
 TWO = {"fsdp": ("llama", ["fsdp"]), "fsdp_tied": ("llama_tied", ["fsdp"]),
-       "fsdp_reads_earlier_init": ("scaled_mlp", ["fsdp"]), "fsdp_init_weights": ("init_weights", ["fsdp"])}
+       "fsdp_reads_earlier_init": ("scaled_mlp", ["fsdp"]), "fsdp_init_weights": ("init_weights", ["fsdp"]),
+       "ddp": ("llama", ["ddp"]), "ddp_tied": ("llama_tied", ["ddp"])}
 FOUR = {
     "fsdp": ("llama", ["fsdp"]),
     "hsdp": ("llama", [("parallel_mode", {"dp_replicate": 2, "dp_shard": 2}), "fsdp"]),
@@ -118,9 +121,10 @@ def materialise_many(configs: dict[str, tuple[str, list]]) -> dict[str, dict]:
                                             optim_args={"lr": 0.1}, model_input_format="unpack_dict", seed=0)
         next_draw = torch.rand(3)
         params = {}
-        for name, p in res.model.named_parameters():
+        model = res.model.module if isinstance(res.model, DistributedDataParallel) else res.model
+        for name, p in model.named_parameters():
             params[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-        buffers = {n: b.detach().clone() for n, b in res.model.named_buffers()}
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         out[tag] = {"params": params, "buffers": buffers, "rank": dist.get_rank(), "next_draw": next_draw,
                     "peak_call_numel": measured.peak, "gathers": measured.gathers, "calls": measured.calls}
     return out
