@@ -70,7 +70,7 @@ def test_unknown_key_from_set_and_file(tmp_path):
 
 
 @pytest.mark.parametrize("override,match", [
-    ("train.steps=abc", "train.steps must be an integer"),
+    ("train.steps=abc", "train.steps expects int"),
     ("train.steps=0", "train.steps=0 must be positive"),
     ("model.num_heads=3", "not divisible"),
     ("log.progress=3", "true or false"),

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
-from typing import Any, Literal, Union
+from typing import Any
 
+from ..config_values import coerce_value
 from ..errors import StrategyError
 from ..utils import did_you_mean
 
@@ -15,7 +15,8 @@ def build_config(method: str, cls: type, values: dict[str, Any] | None, key_alia
 
     Raises:
         StrategyError: an unknown key (the message lists the valid keys and the closest one) or a value
-            of the wrong type (the message names the key, the expected type and the value given).
+            of the wrong type (the message names the key, the expected type and the value given). Values
+            are read by :func:`torchloom.config_values.coerce_value`, the same rules as ``loom train``'s config.
     """
     values = dict(values or {})
     for old, new in (key_aliases or {}).items():
@@ -29,72 +30,8 @@ def build_config(method: str, cls: type, values: dict[str, Any] | None, key_alia
                 f"method '{method}' has no config key '{key}'.{did_you_mean(key, fields)} "
                 f"Valid keys: {', '.join(sorted(fields)) or '(none)'}."
             )
-        values[key] = _check(method, key, hints[key], value)
+        values[key] = coerce_value(value, hints[key], f"method '{method}': config key '{key}'", StrategyError)
     return cls(**values)
-
-
-def _check(method: str, key: str, tp: Any, value: Any) -> Any:
-    ok, coerced = _coerce(tp, value)
-    if not ok:
-        raise StrategyError(
-            f"method '{method}': config key '{key}' expects {_type_name(tp)}, got {value!r} "
-            f"({type(value).__name__})."
-        )
-    return coerced
-
-
-def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
-    if tp is Any:
-        return True, value
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is Literal:
-        return (value in args), value
-    if origin in (Union, types.UnionType):
-        for a in args:
-            ok, v = _coerce(a, value)
-            if ok:
-                return True, v
-        return False, value
-    if tp is type(None):
-        return value is None, value
-    if origin in (list, tuple, typing.Sequence) or tp in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            return False, value
-        inner = args[0] if args else Any
-        out = []
-        for v in value:
-            ok, c = _coerce(inner, v)
-            if not ok:
-                return False, value
-            out.append(c)
-        return True, (tuple(out) if (origin is tuple or tp is tuple) else out)
-    if origin is dict or tp is dict:
-        return isinstance(value, dict), value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return (isinstance(value, int) and not isinstance(value, bool)), value
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True, float(value)
-        return False, value
-    if tp is str:
-        return isinstance(value, str), value
-    if callable(tp) and isinstance(tp, type):
-        return isinstance(value, tp), value
-    return True, value
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "None"
-    return getattr(tp, "__name__", str(tp))
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:

@@ -8,7 +8,6 @@ default. ``--set section.key=value`` overrides single values after the file (val
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -17,6 +16,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from ..config_values import coerce_value
 from ..errors import TorchloomError
 from ..utils import did_you_mean
 
@@ -438,55 +438,7 @@ def _merge(obj: Any, data: Mapping[str, Any], prefix: str) -> None:
         if dataclasses.is_dataclass(current):
             _merge(current, value if value is not None else {}, f"{name}.")
         else:
-            setattr(obj, key, _coerce(value, hints[key], name))
-
-
-def _coerce(value: Any, tp: Any, name: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, name)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{name}: invalid value {value!r}.")
-    if tp is Any:
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{name} must be a list, got {value!r}.")
-        (item,) = args or (Any,)
-        return [_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name} must be true or false, got {value!r}.")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"{name} must be an integer, got {value!r}.")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-                try:
-                    return float(value)
-                except ValueError:
-                    pass
-            raise ConfigError(f"{name} must be a number, got {value!r}.")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{name} must be a string, got {value!r}.")
-        return value
-    return value
+            setattr(obj, key, coerce_value(value, hints[key], name, ConfigError))
 
 
 def _positive(section: str, obj: Any, names: tuple[str, ...]) -> None:
