@@ -17,6 +17,7 @@ from .parallel.distributed import init_distributed
 from .parallel.materialize import materialize_meta_model
 from .parallel.mesh import ParallelDims, ParallelMesh
 from .strategy.annotations import has_annotations, strategy_from_annotations
+from .strategy.data_parallel import replicating_data_parallel
 from .strategy.strategy import Strategy, StrategyLike
 from .train_step import TrainStep
 from .utils import world_size as _world_size
@@ -146,8 +147,7 @@ def auto_accelerate(
     if ctx.mesh.dp_size > 1 and not any(type(m).data_parallel for m in methods):
         # DDP cannot hold tensor-parallel DTensor parameters: replicate them with FSDP2 instead (the mesh
         # already put the data-parallel degree on dp_replicate, so nothing is sharded: DDP semantics)
-        name, spec = ("fsdp", ("fsdp", {"reshard_after_forward": False})) if "tensor_parallel" in strategy \
-            else ("ddp", "ddp")
+        name, spec = replicating_data_parallel(tensor_parallel="tensor_parallel" in strategy)
         strategy = strategy.with_method(spec)
         ctx.strategy = strategy
         added = next(m for m in strategy.ordered() if type(m).name == name)

@@ -122,14 +122,15 @@ def test_tensor_parallel_swaps_ddp_for_replicating_fsdp():
     assert cfg.ddp_swapped_for_fsdp()
     assert cfg.full_strategy() == [{"parallel_mode": {"pp": 2, "tp": 2, "dp_shard": 1}},
                                    {"pipeline_parallel": {"schedule": "1f1b", "num_microbatches": None}},
-                                   "tensor_parallel", "fsdp"]
+                                   "tensor_parallel", {"fsdp": {"reshard_after_forward": False}}]
     dims = plan_dims(cfg.full_strategy(), 8)
     assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 2, 1, 2)
 
     pp_only = TrainConfig.load(None, ["parallel.pp=2"])
     assert not pp_only.ddp_swapped_for_fsdp() and pp_only.full_strategy()[-1] == "ddp"
     sharded = TrainConfig.load(None, ["parallel.tp=2", "parallel.dp_shard=2"])  # an explicit dp_shard is kept
-    assert sharded.full_strategy() == [{"parallel_mode": {"dp_shard": 2, "tp": 2}}, "tensor_parallel", "fsdp"]
+    assert sharded.full_strategy() == [{"parallel_mode": {"dp_shard": 2, "tp": 2}}, "tensor_parallel",
+                                       {"fsdp": {"reshard_after_forward": False}}]
     with pytest.raises(ConfigError, match="DistributedDataParallel cannot hold"):  # ddp with options: not swapped
         TrainConfig.load(None, ["parallel.tp=2", "strategy=[{ddp: {bucket_cap_mb: 10}}]"])
 
@@ -175,3 +176,20 @@ def test_optimizer_choice():
     assert [g["weight_decay"] for g in wsam.param_groups] == [0.1, 0.0]
     with pytest.raises(ConfigError, match="train.optimizer='sgd' is not one of"):
         TrainConfig.load(None, ["train.optimizer=sgd"])
+
+
+def test_ddp_under_tensor_parallel_is_the_same_swap_as_auto_accelerate():
+    """One rule for "DDP semantics under tensor parallelism" (torchloom.strategy.data_parallel): loom train's
+    swap of a plain ddp and auto_accelerate's default data-parallel method are the same replicating,
+    non-resharding fsdp. Before, loom train used a resharding fsdp, which zero-bubble pipelines refuse
+    (the user had written ddp and was told to use fsdp with reshard_after_forward=False)."""
+    from torchloom import Strategy
+    from torchloom.strategy.data_parallel import replicating_data_parallel
+
+    cfg = TrainConfig.load(None, ["parallel.tp=2"])
+    swapped = Strategy.parse(cfg.full_strategy()).config("fsdp")
+    name, spec = replicating_data_parallel(tensor_parallel=True)
+    assert name == "fsdp" and Strategy.parse([spec]).config("fsdp") == swapped
+    assert swapped.reshard_after_forward is False
+    assert replicating_data_parallel(tensor_parallel=False) == ("ddp", "ddp")
+    TrainConfig.load(None, ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=zero_bubble"]).check_fits(4)

@@ -330,9 +330,10 @@ class TrainConfig:
                               "parallel.tp > 1 as well.")
         dims = {k: getattr(p, k) for k in ("pp", "dp_replicate", "dp_shard", "tp")
                 if getattr(p, k) is not None and getattr(p, k) != 1}
-        strategy = list(self.strategy)
-        if self.ddp_swapped_for_fsdp():
-            strategy[strategy.index("ddp")] = "fsdp"
+        from ..strategy.data_parallel import swap_ddp_for_fsdp
+
+        strategy, swapped = swap_ddp_for_fsdp(self.strategy, tensor_parallel=p.tp > 1)
+        if swapped:
             if p.dp_shard is None:  # replicate, as DDP does: dp_replicate takes the rest of the world
                 dims["dp_shard"] = 1
         names = [m if isinstance(m, str) else next(iter(m)) if isinstance(m, Mapping) else m[0]
@@ -356,12 +357,16 @@ class TrainConfig:
         """True when :meth:`full_strategy` runs ``fsdp`` in place of the ``ddp`` written in ``strategy``.
 
         DDP cannot hold the DTensor parameters of tensor parallelism, so with ``parallel.tp > 1`` a plain
-        ``ddp`` entry (no options) becomes ``fsdp`` over a replicate-only mesh (``dp_shard: 1``,
-        ``dp_replicate`` = the rest unless ``parallel.dp_shard`` is set): every data-parallel rank keeps
-        the whole (tp-sharded) parameters and gradients are averaged once per step, which is what DDP
-        does. A ``ddp`` with options is kept, and the strategy check then names the conflict.
+        ``ddp`` entry (no options) becomes ``{fsdp: {reshard_after_forward: false}}`` over a replicate-only
+        mesh (``dp_shard: 1``, ``dp_replicate`` = the rest unless ``parallel.dp_shard`` is set, which then
+        shards ZeRO-2 style): every data-parallel rank keeps the whole (tp-sharded) parameters and gradients
+        are averaged once per step, which is what DDP does. The same rule as ``auto_accelerate``'s default
+        data-parallel method (:mod:`torchloom.strategy.data_parallel`). A ``ddp`` with options is kept, and
+        the strategy check then names the conflict.
         """
-        return self.parallel.tp > 1 and "ddp" in self.strategy
+        from ..strategy.data_parallel import swap_ddp_for_fsdp
+
+        return swap_ddp_for_fsdp(self.strategy, tensor_parallel=self.parallel.tp > 1)[1]
 
 
 # ----------------------------------------------------------------------------------------- files
