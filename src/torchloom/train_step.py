@@ -3,6 +3,7 @@ clipping and the optimizer step, for any strategy."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,9 @@ class SumLoss:
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) batch to ``device``."""
+    """Move every tensor in a (nested) batch to ``device``: through mappings (their type kept when it can be
+    rebuilt from a dict), dataclasses (``dataclasses.replace``), namedtuples, tuples and lists. Dtypes never
+    change: precision methods do not cast inputs here (docs/methods/amp.md, "Inputs")."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):  # dict, HF BatchEncoding (a UserDict), ...
@@ -43,6 +46,9 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
             return type(batch)(moved)
         except TypeError:
             return moved
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: move_to_device(getattr(batch, f.name), device)
+                                             for f in dataclasses.fields(batch) if f.init})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(move_to_device(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):

@@ -1,13 +1,16 @@
 """`amp`: automatic mixed precision (bf16/fp16 autocast, dynamic loss scaling for fp16)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from ..parallel.loss_scaler import DynamicLossScaler
+from ..parallel.precision import upcast_low_precision
 from ..strategy.registry import Method, Stage, register_method
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -33,6 +36,10 @@ class Amp(Method):
     Unsharded models run their forward under ``torch.autocast``; with ``fsdp`` the FSDP2
     ``MixedPrecisionPolicy`` casts parameters to the low dtype for compute and reduces gradients in fp32.
     fp16 adds a dynamic loss scaler whose skip decision is all-reduced so every rank agrees.
+
+    Master weights, gradients and optimizer state are fp32 on both paths: a model handed in with bf16/fp16
+    parameters or buffers (``model.to(torch.bfloat16)``) is upcast to fp32 first, with a ``UserWarning``.
+    Buffers are never cast to the low dtype.
     """
 
     name = "amp"
@@ -56,6 +63,15 @@ class Amp(Method):
             )
 
     def apply(self, ctx) -> None:
+        upcast = [n for part in ctx.model_parts for n in upcast_low_precision(part)]
+        if upcast:
+            msg = (f"amp: the model came with {len(upcast)} bf16/fp16 parameters/buffers (e.g. {upcast[:3]}); they "
+                   "were upcast to fp32, because amp keeps fp32 master weights, gradients and optimizer state and "
+                   "computes in low precision only inside the forward. Build or load the model in fp32 to avoid "
+                   "this (precision lost by the earlier cast is not recovered), or use 'half' to train in low "
+                   "precision.")
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            ctx.note(msg)
         if "fsdp" in ctx.strategy:
             ctx.note(f"amp: FSDP MixedPrecisionPolicy computes in {self.dtype} (see fsdp's reduce_dtype)")
             return  # fsdp builds its MixedPrecisionPolicy from ctx.autocast_dtype
@@ -79,14 +95,23 @@ def enable_autocast(model: torch.nn.Module, dtype: torch.dtype, device_type: str
 
 
 def _to_float(out):
+    """Low-precision floating tensors in ``out`` to fp32, through dicts (in place: HF ``ModelOutput`` keeps its
+    type), dataclasses, namedtuples, tuples and lists (as FSDP2's ``output_dtype`` does); others unchanged."""
     if isinstance(out, torch.Tensor):
         return out.float() if out.is_floating_point() and out.dtype != torch.float32 else out
-    if isinstance(out, dict):  # HF ModelOutput is an OrderedDict subclass: update in place keeps its type
+    if isinstance(out, dict):
         for k, v in list(out.items()):
             out[k] = _to_float(v)
         return out
-    if isinstance(out, tuple) and not hasattr(out, "_fields"):
-        return tuple(_to_float(v) for v in out)
-    if isinstance(out, list):
-        return [_to_float(v) for v in out]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return dataclasses.replace(out, **{f.name: _to_float(getattr(out, f.name))
+                                           for f in dataclasses.fields(out) if f.init})
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # namedtuple
+        return type(out)(*(_to_float(v) for v in out))
+    if isinstance(out, (tuple, list)):
+        items = [_to_float(v) for v in out]
+        try:
+            return type(out)(items)
+        except TypeError:  # a subclass with another constructor
+            return tuple(items) if isinstance(out, tuple) else items
     return out

@@ -10,6 +10,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from ..parallel.blocks import find_blocks, shared_parameter_owners
 from ..parallel.buffers import broadcast_module_states, install_buffer_sync
 from ..parallel.materialize import materialize_meta_model
+from ..parallel.precision import fp32_norm_modules, keeps_fp32
 from ..strategy.registry import Method, Stage, register_method
 from ..utils import has_accelerator
 
@@ -67,8 +68,12 @@ class FSDP(Method):
         # pinned host memory needs an accelerator (pinning fails on CPU-only builds)
         offload = CPUOffloadPolicy(pin_memory=has_accelerator()) if c.cpu_offload else OffloadPolicy()
         kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+        # BatchNorm-like layers keep fp32 parameters next to their fp32 running statistics (under amp and half;
+        # torchloom.parallel.precision): they become units of their own with a policy that casts nothing
+        low_precision = ctx.autocast_dtype is not None or ctx.param_dtype is not None
+        fp32_mp = MixedPrecisionPolicy(reduce_dtype=getattr(torch, c.reduce_dtype) if ctx.autocast_dtype else None)
 
-        units_total, shared_all, block_classes = 0, [], set()
+        units_total, shared_all, block_classes, norms_kept = 0, [], set(), 0
         for model in ctx.model_parts:
             if c.sync_module_states and not ctx.on_meta and ctx.mesh.dp_size > 1:
                 if not c.cpu_offload:
@@ -81,9 +86,14 @@ class FSDP(Method):
             units = _plan_units([q for q, _ in blocks], shared)
             units_total += len(units)
             modules = dict(model.named_modules())
+            if low_precision:
+                norms_kept += _shard_fp32_norms(model, units, shared, c, {**kw, "mp_policy": fp32_mp})
             for unit in units:
                 mods = [modules[q] for q in unit]
-                fully_shard(mods if len(mods) > 1 else mods[0], reshard_after_forward=c.reshard_after_forward, **kw)
+                fp32_unit = low_precision and len(mods) == 1 and keeps_fp32(mods[0])
+                unit_kw = {**kw, "mp_policy": fp32_mp} if fp32_unit else kw
+                fully_shard(mods if len(mods) > 1 else mods[0], reshard_after_forward=c.reshard_after_forward,
+                            **unit_kw)
             # the root keeps everything else (embeddings, final norm, head; tied weights stay in one unit). Only
             # the root casts its outputs to fp32 (as the autocast path returns them); inner units stay low precision.
             root_kw = dict(kw)
@@ -102,7 +112,25 @@ class FSDP(Method):
         hsdp = f"HSDP {ctx.mesh.dims.dp_replicate}x{ctx.mesh.dims.dp_shard}" if ctx.mesh.dims.dp_replicate > 1 \
             else f"dp_shard={ctx.mesh.dims.dp_shard}"
         ctx.note(f"fsdp: {mode}, {hsdp}, {len(units)} block units of {ctx.block_classes}"
-                 + (", CPU offload" if c.cpu_offload else "") + (f", tied groups {shared}" if shared else ""))
+                 + (", CPU offload" if c.cpu_offload else "") + (f", tied groups {shared}" if shared else "")
+                 + (f", {norms_kept} BatchNorm-like units in fp32" if norms_kept else ""))
+
+
+def _shard_fp32_norms(model, units: list[list[str]], shared: list[list[str]], c: FSDPConfig, fp32_kw: dict) -> int:
+    """``fully_shard`` every BatchNorm-like module (running statistics) as its own unit whose policy casts
+    nothing (FSDP1's ``MixedPrecision._module_classes_to_ignore``): its parameters stay fp32 for compute, as its
+    statistics are, and it takes the low-precision input of the layer before it. Skipped: the model itself, a
+    module that is a unit anyway (it gets the same policy), and one sharing a parameter with another module (the
+    tie's unit owns it). Returns the number of units made."""
+    unit_tops = {q for unit in units for q in unit}
+    tied = {o for owners in shared for o in owners}
+    n = 0
+    for name, mod in fp32_norm_modules(model):
+        if name == "" or name in unit_tops or name in tied:
+            continue
+        fully_shard(mod, reshard_after_forward=c.reshard_after_forward, **fp32_kw)
+        n += 1
+    return n
 
 
 def _plan_units(block_names: list[str], shared: list[list[str]]) -> list[list[str]]:
