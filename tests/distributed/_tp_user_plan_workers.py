@@ -15,9 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchloom
-from tests.models import full_params, token_batches
+from tests.distributed import _tp_workers
+from tests.models import full_params, tiny_llama, token_batches
 
 VOCAB = 128
+# eager attention also returns per-head attention weights (split over the tp ranks): the probe compares the
+# attention output only
+_tp_workers.MODELS.setdefault("llama_eager", lambda seed=0: tiny_llama(seed, attn_implementation="eager"))
 
 
 class Attention(nn.Module):
@@ -167,8 +171,6 @@ def suite(tp: int, train_cases: dict[str, dict], error_cases: dict[str, dict],
           builtin: dict[str, dict] | None = None) -> dict:
     """One launch: every training case, every case that must stop with a torchloom error, and built-in
     plans (Hugging Face families, ``tests.distributed._tp_workers.train`` kwargs)."""
-    from tests.distributed import _tp_workers
-
     return {"train": {name: train(tp, **kw) for name, kw in train_cases.items()},
             "errors": {name: error_of(train, tp, **kw) for name, kw in error_cases.items()},
             "builtin": {name: _tp_workers.train(**kw) for name, kw in (builtin or {}).items()}}

@@ -35,6 +35,7 @@ BUILTIN_2 = {
     "llama_sp": dict(strategy=TP + ["sequence_parallel"]),
     "gpt2": dict(strategy=TP, model="gpt2"),
     "bert": dict(strategy=TP, model="bert"),
+    "llama_eager": dict(strategy=TP, model="llama_eager"),
 }
 TRAIN_4 = {"attr": dict(), "attr_fused": dict(model_kw=dict(fused=True))}
 ERRORS_4 = {"indivisible": dict(model_kw=dict(dim=48, n_heads=6)), "closure": dict(model_kw=dict(heads_in="closure"))}

@@ -24,8 +24,9 @@ from rank 0's values, so rank 0's unsharded output is the reference):
 
 Both forwards run in eval mode (no dropout) under ``no_grad``, with a private generator: the global RNG,
 and so initialisation and dropout later, are untouched. Under sequence parallelism the region's hidden
-states enter as the ``Shard(1)`` DTensor the stream carries. Outputs (every tensor in the returned
-structure; DTensors gathered) are compared by ``max |sharded - reference| / max |reference|``; the
+states enter as the ``Shard(1)`` DTensor the stream carries. The region's primary output (its first
+tensor: Hugging Face attentions also return per-head attention weights, which stay legitimately split over
+the ranks; a DTensor is gathered) is compared by ``max |sharded - reference| / max |reference|``; the
 tolerance :func:`tolerance` is 1e-4 in fp32 (reorderings of sums give ~1e-7; a wrong head split gives
 1e-2 and more). Memory: one forward of 16 tokens up to the first block, and the recorded activations.
 """
@@ -72,7 +73,8 @@ class ProbeCase:
 
 @dataclass
 class Probe:
-    """Recorded cases, and the regions that could not be probed (name -> why)."""
+    """Recorded cases, and the regions that could not be probed (name -> why). ``expected`` holds the primary
+    output only (see the module docstring)."""
 
     cases: list[ProbeCase] = field(default_factory=list)
     unverified: dict[str, str] = field(default_factory=dict)
@@ -125,7 +127,7 @@ def compare(part: nn.Module, probe: Probe, targets: dict[str, str], mesh: Device
             if sequence_parallel and targets.get(case.region) in SEQUENCE_STYLES:
                 args, kwargs = _shard_hidden(args, kwargs, mesh)
             try:
-                got = [_full(t).cpu() for t in _leaves(modules[case.region](*args, **kwargs))]
+                got = [_full(t).cpu() for t in _leaves(modules[case.region](*args, **kwargs))[:1]]
             except Exception as e:  # noqa: BLE001 - any failure of the sharded forward is reported
                 failures[case.region] = f"raised {type(e).__name__}: {e}"
                 continue
@@ -156,6 +158,9 @@ def _record_reference(part: nn.Module, targets: dict[str, str], regions: list[st
             case = captured.get(name)
             if case is None:
                 case = _random_hidden_case(modules[name], name, targets, modules, gen, probe.unverified)
+            if case is not None and not case.expected:
+                probe.unverified[name] = "its forward returns no tensor"
+                continue
             if case is not None:
                 try:
                     pickle.dumps(case)  # what cannot travel to the other tp ranks cannot be compared there
@@ -196,7 +201,7 @@ def _capture_hf(part: nn.Module, regions: list[str], gen: torch.Generator) -> di
         def hook(mod, args, out):
             if name not in done and name in calls:
                 a, kw = calls[name]
-                done[name] = ProbeCase(name, a, kw, [t.detach().cpu().clone() for t in _leaves(out)],
+                done[name] = ProbeCase(name, a, kw, [t.detach().cpu().clone() for t in _leaves(out)[:1]],
                                        f"its arguments in a forward of the model on random token ids {PROBE_SHAPE}")
                 if len(done) == len(regions):
                     raise _Recorded
@@ -230,7 +235,7 @@ def _random_hidden_case(module: nn.Module, name: str, targets: dict[str, str], m
     width = first.nx if is_conv1d(first) else first.in_features
     x = torch.randn(*PROBE_SHAPE, width, generator=gen).to(first.weight.device, first.weight.dtype)
     try:
-        out = [t.detach().cpu().clone() for t in _leaves(module(x))]
+        out = [t.detach().cpu().clone() for t in _leaves(module(x))[:1]]
     except Exception as e:  # noqa: BLE001 - the guess at its input was wrong: not probed, said so
         unverified[name] = f"its forward did not accept random hidden states {tuple(x.shape)} ({type(e).__name__})"
         return None
