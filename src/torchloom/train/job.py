@@ -249,7 +249,8 @@ class Job:
         data = self.eval_ds
         if cfg.batches is not None and cfg.batches * cfg.batch_size < n:
             data = Subset(self.eval_ds, torch.linspace(0, n - 1, cfg.batches * cfg.batch_size).round().long().tolist())
-        loader = eval_loader(data, -(-cfg.batch_size // dp), mesh=res.mesh, pad_to_multiple_of=micro)
+        share = -(-cfg.batch_size // dp)  # this rank's share of one eval batch, in whole pipeline micro-batches
+        loader = eval_loader(data, -(-share // micro) * micro, mesh=res.mesh, pad_to_multiple_of=micro)
         was_training = res.model.training
         res.model.eval()
         total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
