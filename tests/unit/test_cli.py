@@ -189,3 +189,20 @@ def test_run_rejects_a_mistyped_launcher_option(captured):
     """An unknown option before the script is a usage error, not a script named '--nprocs'."""
     out = CliRunner().invoke(cli.main, ["run", "--nprocs", "2", "train.py"])
     assert out.exit_code == 2 and "--nprocs" in out.output and not captured
+
+
+def test_train_checks_tp_and_pp_against_the_model_before_launch(captured):
+    """The smoke model has 4 query heads, 2 kv heads, 2 layers (5 pipeline units: embedding, 2 blocks, norm,
+    head): tp=4 and pp=6 must be refused before any process starts, naming the key and the valid values."""
+    out = CliRunner().invoke(cli.main, ["train", "smoke", "--nproc", "4", "--set", "parallel.tp=4"])
+    assert out.exit_code == 2 and not captured, out.output
+    assert "parallel.tp=4" in out.output and "model.num_kv_heads=2" in out.output, out.output
+    assert "Valid parallel.tp for this model: 1, 2" in out.output, out.output
+    out = CliRunner().invoke(cli.main, ["train", "smoke", "--nproc", "6", "--set", "parallel.pp=6",
+                                        "--set", "parallel.pp_microbatches=1", "--set", "parallel.pp_schedule=gpipe"])
+    assert out.exit_code == 2 and not captured, out.output
+    assert "parallel.pp=6" in out.output and "model.num_layers=2" in out.output, out.output
+    assert "Valid parallel.pp for this model: 1, 2, 3, 4, 5" in out.output, out.output
+    out = CliRunner().invoke(cli.main, ["train", "smoke", "--nproc", "4", "--set", "parallel.tp=2",
+                                        "--set", "parallel.pp=2"])
+    assert out.exit_code == 5 and captured["target"] == "torchloom.train.job", out.output  # fits: launched

@@ -289,8 +289,9 @@ class TrainConfig:
 
         Raises:
             ConfigError: degrees that do not divide ``world_size``, a global batch that does not split over
-                the data-parallel ranks, or (pipeline parallel) a per-rank micro-batch that does not divide
-                into the pipeline micro-batches.
+                the data-parallel ranks, (pipeline parallel) a per-rank micro-batch that does not divide
+                into the pipeline micro-batches, or a tp/pp degree the model cannot be split by
+                (:meth:`check_model_fits`).
         """
         from ..api import plan_dims
         from ..data import plan_batches
@@ -311,6 +312,37 @@ class TrainConfig:
                     f"the per-rank micro-batch of {plan.micro_batch_size} sequences (train.micro_batch, or "
                     f"train.global_batch / {dims.dp} data-parallel ranks) does not split into {n} pipeline "
                     f"micro-batches; make it a multiple of {n} or set parallel.pp_microbatches to a divisor of it.")
+        self.check_model_fits(dims.tp, dims.pp)
+
+    def check_model_fits(self, tp: int, pp: int) -> None:
+        """Check the tensor- and pipeline-parallel degrees against the model this config builds (a
+        meta-device ``LlamaForCausalLM``: nothing is allocated), with the checks the methods run in every
+        worker (:mod:`torchloom.parallel.fit`): the tensor-parallel plan splits query heads, kv heads, the MLP
+        width and the vocabulary (``model.vocab_size``, the size the tokenizer is trained to); the pipeline
+        needs a unit (embedding, block, final norm, head) per stage.
+
+        Raises:
+            ConfigError: naming the ``parallel`` key, the model sizes, the method's reason and the degrees
+                that fit this model.
+        """
+        if tp == 1 and pp == 1:
+            return
+        from ..errors import StrategyError
+        from ..parallel.fit import check_pipeline_fits, check_tensor_parallel_fits, fitting_degrees
+
+        m, strategy, model = self.model, self.full_strategy(), _meta_model(self.model, self.train.seed)
+        for key, degree, check, sizes in (
+                ("tp", tp, check_tensor_parallel_fits,
+                 f"model.num_heads={m.num_heads}, model.num_kv_heads={m.num_kv_heads}, "
+                 f"model.intermediate_size={m.intermediate_size}, model.vocab_size={m.vocab_size}"),
+                ("pp", pp, check_pipeline_fits, f"model.num_layers={m.num_layers}")):
+            try:
+                check(model, strategy, degree)
+            except StrategyError as e:
+                name = f"parallel.{key}" if getattr(self.parallel, key) == degree else f"{key} (strategy's parallel_mode)"
+                valid = fitting_degrees(lambda d: check(model, strategy, d), range(1, 65))
+                raise ConfigError(f"{name}={degree} does not fit the model ({sizes}): {e} Valid {name} for this "
+                                  f"model: {', '.join(map(str, valid)) or 'none'}.") from e
 
     def full_strategy(self) -> list[Any]:
         """``strategy`` with the ``parallel`` section's methods added (parallel_mode first).
@@ -367,6 +399,16 @@ class TrainConfig:
         from ..strategy.data_parallel import swap_ddp_for_fsdp
 
         return swap_ddp_for_fsdp(self.strategy, tensor_parallel=self.parallel.tp > 1)[1]
+
+
+def _meta_model(mc: ModelConfig, seed: int):
+    """The job's model on the meta device (shapes and config only), for checks before launching."""
+    import torch
+
+    from .job import build_model
+
+    with torch.device("meta"):
+        return build_model(mc, mc.vocab_size, 0, seed)
 
 
 # ----------------------------------------------------------------------------------------- files

@@ -29,23 +29,9 @@ def build_pipeline(ctx, c, signature: inspect.Signature) -> None:
             on a meta-device model.
     """
     root = ctx.model
-    family = detect_family(root)
-    units = family.units(root)
-    _check_coverage(root, family, units)
     pp = ctx.mesh.dims.pp
-    num_stages = pp * c.virtual
-    if num_stages > len(units):
-        raise StrategyError(
-            f"pipeline_parallel: {num_stages} stages (pp={pp} x stages_per_rank={c.virtual}) but the model has only "
-            f"{len(units)} units ({', '.join(u.name for u in units)}); lower the pipeline size or stages_per_rank."
-        )
-    if c.split_points is not None:
-        runs, how = split_by_points(units, list(c.split_points), num_stages), "split_points"
-    else:
-        costs = _profile_costs(root, family, units, c.profile_seq_len) if c.balance == "profile" else \
-            [float(_unit_params(root, u)) for u in units]
-        runs, how = split_by_cost(units, costs, num_stages), f"balance={c.balance}"
-    specs = [StageSpec(i, num_stages, tuple(r)) for i, r in enumerate(runs)]
+    family, specs, how = plan_stages(root, c, pp)
+    num_stages = len(specs)
     style = SCHEDULES[c.schedule][2]
     ranks = stage_ranks(pp, num_stages, style)
     me = ctx.mesh["pp"].get_local_rank()
@@ -101,6 +87,33 @@ def build_pipeline(ctx, c, signature: inspect.Signature) -> None:
         container.pipeline = driver
 
     ctx.post_apply.append(finish)
+
+
+def plan_stages(root: nn.Module, c, pp: int, *, profile: bool = True) -> tuple[Family, list[StageSpec], str]:
+    """The pipeline's stages for ``root`` at degree ``pp`` (``c``: the method's config): ``(family, stage
+    specs, how they were chosen)``. Pure apart from ``balance='profile'``, which measures the units (a
+    collective when a process group exists); ``profile=False`` splits by parameters instead, for checks
+    before launching (the number of stages and the split points are checked the same way).
+
+    Raises:
+        StrategyError: an unsupported model, bad split points, or more stages than units.
+    """
+    family = detect_family(root)
+    units = family.units(root)
+    _check_coverage(root, family, units)
+    num_stages = pp * c.virtual
+    if num_stages > len(units):
+        raise StrategyError(
+            f"pipeline_parallel: {num_stages} stages (pp={pp} x stages_per_rank={c.virtual}) but the model has only "
+            f"{len(units)} units ({', '.join(u.name for u in units)}); lower the pipeline size or stages_per_rank."
+        )
+    if c.split_points is not None:
+        runs, how = split_by_points(units, list(c.split_points), num_stages), "split_points"
+    else:
+        costs = _profile_costs(root, family, units, c.profile_seq_len) if c.balance == "profile" and profile \
+            else [float(_unit_params(root, u)) for u in units]
+        runs, how = split_by_cost(units, costs, num_stages), f"balance={c.balance}"
+    return family, [StageSpec(i, num_stages, tuple(r)) for i, r in enumerate(runs)], how
 
 
 def _check_coverage(root: nn.Module, family: Family, units: list[Unit]) -> None:
