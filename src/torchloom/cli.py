@@ -281,17 +281,14 @@ def ckpt_list(root: Path) -> None:
 def ckpt_export(checkpoint_dir: Path, out: Path) -> None:
     """Write CHECKPOINT_DIR's model weights as one consolidated safetensors file OUT.
 
-    CHECKPOINT_DIR is one checkpoint or a root (its newest complete checkpoint is used). No process group
-    is needed.
+    CHECKPOINT_DIR is one checkpoint or a root: then the checkpoint a resume would load (the newest
+    usable one; unusable ones are skipped with a warning naming the file, as `loom ckpt verify` reports).
+    No process group is needed.
     """
     from .checkpoint import export_from_dcp
     from .errors import CheckpointError
 
-    from .checkpoint import commit
-
-    if not commit.is_checkpoint_dir(checkpoint_dir) and not commit.list_checkpoints(checkpoint_dir) \
-            and (checkpoint_dir / "checkpoints").is_dir():
-        checkpoint_dir = checkpoint_dir / "checkpoints"  # a training output dir
+    checkpoint_dir = _ckpt_root(checkpoint_dir)
     try:
         path = export_from_dcp(checkpoint_dir, out)
     except CheckpointError as e:
@@ -300,15 +297,26 @@ def ckpt_export(checkpoint_dir: Path, out: Path) -> None:
     click.echo(f"wrote {path} ({_size(path.stat().st_size)})")
 
 
+def _ckpt_root(path: Path) -> Path:
+    """A training output dir holds its checkpoints under ``checkpoints/``."""
+    from .checkpoint import commit
+
+    if not commit.is_checkpoint_dir(path) and not commit.list_checkpoints(path) and (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    return path
+
+
 @ckpt.command("verify")
 @click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def ckpt_verify(path: Path) -> None:
     """Check PATH: one checkpoint, or every checkpoint under a root (or a training output dir).
 
-    A checkpoint passes if its COMPLETE marker is valid, every file it lists has the recorded size, and
-    trainer_state.json and the DCP .metadata parse: the checks a resume uses to choose a checkpoint (tensor
-    data is not read). For a root, one line per checkpoint and the one a resume would load. Exit code 0 if
-    PATH (for a root: at least one checkpoint under it) is usable, else 1.
+    A checkpoint is "ok" if a resume can load it: its COMPLETE marker is valid, every file it lists has
+    the recorded size and SHA-256 checksum (every byte is read), and trainer_state.json and the DCP
+    .metadata parse. Checkpoints written before checksums were recorded are checked by sizes only, and
+    the line says so. For a root, one line per checkpoint and the one a resume would load (the same
+    selection rule as resume and `loom ckpt export`). Exit code 0 if PATH (for a root: at least one
+    checkpoint under it) is usable, else 1.
     """
     from .checkpoint import check, commit
     from .errors import CheckpointError
@@ -319,19 +327,21 @@ def ckpt_verify(path: Path) -> None:
         except CheckpointError as e:
             click.echo(f"FAILED  {p.name}: {e}")
             return False
+        how = "checksums match" if m.checksums else "sizes match; no checksums recorded (older torchloom), data not verified"
         click.echo(f"ok      {p.name}: step {m.step}, saved by {m.world_size} rank(s), {len(m.files)} files, "
-                   f"{_size(sum(m.files.values()))}")
+                   f"{_size(sum(m.files.values()))}, {how}")
         return True
 
     if commit.is_checkpoint_dir(path):
         sys.exit(0 if _line(path) else 1)
-    if not commit.list_checkpoints(path) and (path / "checkpoints").is_dir():
-        path = path / "checkpoints"  # a training output dir
-    usable = [p for _step, p in commit.list_checkpoints(path) if _line(p)]
-    if not usable:
+    path = _ckpt_root(path)
+    results = {p: _line(p) for _step, p in commit.list_checkpoints(path)}
+    try:
+        chosen, _ = commit.select(path, lambda p: results.get(p) or check(p))
+    except CheckpointError:
         click.echo(f"error: no usable checkpoint under {path}", err=True)
         sys.exit(1)
-    click.echo(f"a resume from {path} loads {usable[-1]}")
+    click.echo(f"a resume from {path} loads {chosen}")
 
 
 def _iso(t: float) -> str:

@@ -16,35 +16,29 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from torchloom.checkpoint import commit
-
+from torchloom.checkpoint import trainer_state as ts
+from torchloom.checkpoint.commit import CorruptCheckpointError
+from torchloom.checkpoint.trainer_state import check_tied_values
 from torchloom.checkpoint.state import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    _load_everything,
     canonical_key,
-    clear_optimizer_state,
-    capture_rng,
-    dcp_state,
-    from_json,
     full_model_state,
-    is_zero_optimizer,
-    load_dcp_state,
-    optimizer_state_is_empty,
     quiet_single_process,
     read_metadata_safely,
     read_model_tensors,
-    restore_rng,
-    short_error,
     tied_groups,
-    to_json,
     unwrap_checkpoint_exception,
     wrapper_components,
 )
 from torchloom.errors import CheckpointError
 from torchloom.utils import distributed as _distributed
 from torchloom.utils import rank as _rank
-from torchloom.utils import world_size as _world
 
-TRAINER_STATE = "trainer_state.json"
-TRAINER_STATE_FORMAT = "torchloom.checkpoint.trainer_state/1"
-RNG_DIR = "rng"
+TRAINER_STATE = ts.TRAINER_STATE
+TRAINER_STATE_FORMAT = ts.TRAINER_STATE_FORMAT
+RNG_DIR = ts.RNG_DIR
 _TIED_META = "torchloom.tied"
 
 
@@ -64,14 +58,16 @@ def save(
 ) -> Path:
     """Save a training state as ``<root>/step_{step:08d}/`` and return that path (on every rank).
 
-    Collective: call on every rank with the same ``root`` and ``step``.
+    Collective: call on every rank with the same ``root`` and ``step``. What is saved and how is
+    :mod:`torchloom.checkpoint.trainer_state` (shared with the flash tier).
 
     Args:
         root: checkpoint root directory (shared by all ranks).
         step: the training step (non-negative int); names the directory.
-        model: the (possibly DDP/FSDP2/compiled/activation-checkpointed) model.
+        model: the (possibly DDP/FSDP2/compiled/activation-checkpointed/pipelined) model.
         optimizer: its optimizer (``torch.optim.Optimizer``, a list of them, or a
-            ``ZeroRedundancyOptimizer``), or ``None``.
+            ``ZeroRedundancyOptimizer``), or ``None``. Every parameter's state is saved as the optimizer
+            holds it (frozen parameters' too; parameters without state have none).
         lr_scheduler: anything with ``state_dict()``/``load_state_dict()`` returning plain data.
         dataloader: a dataloader or sampler with ``state_dict()``/``load_state_dict()`` (plain data).
             Saved once if every rank's state is equal, else per rank.
@@ -92,118 +88,86 @@ def save(
     commit.step_dirname(step)
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
         raise CheckpointError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
-    rank, world = _rank(), _world()
-
-    # Encode the small state first: a value JSON cannot hold fails here, before anything is written.
-    def _encode() -> dict[str, Any]:
-        return {
-            "lr_scheduler": to_json(lr_scheduler.state_dict(), "lr_scheduler.state_dict()") if lr_scheduler is not None else None,
-            "dataloader": to_json(dataloader.state_dict(), "dataloader.state_dict()") if dataloader is not None else None,
-            "scaler_state": to_json(scaler_state, "scaler_state") if scaler_state is not None else None,
-            "train_step": to_json(train_step.state_dict(), "train_step.state_dict()") if train_step is not None else None,
-            "extra": to_json(dict(extra or {}), "extra"),
-        }
-
-    enc = commit.run_everywhere(_encode, "encoding the trainer state")
-    dl_states = [enc["dataloader"]]
-    if dataloader is not None and world > 1:
-        dl_states = [None] * world
-        dist.all_gather_object(dl_states, enc["dataloader"])
-
-    # get_state_dict() initialises an empty optimizer state by running a zero-lr step (a DSD quirk): undo
-    # that after saving, so that saving before the first step does not change training.
-    zero = optimizer is not None and is_zero_optimizer(optimizer)
-    opt_empty = optimizer is not None and not zero and optimizer_state_is_empty(optimizer)
+    live = ts.Live(model, optimizer, lr_scheduler, dataloader, train_step)
+    # The document first: a value JSON cannot hold fails here, before anything is written.
+    doc = ts.encode_document(live, step=step, extra=extra, scaler_state=scaler_state)
     tmp = commit.begin_save(root, step)
     try:
-        state = dcp_state(model, optimizer)
+        state = ts.encode_tensors(live)
         with quiet_single_process():
             dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=not _distributed())
     except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
         raise unwrap_checkpoint_exception(e, tmp, "saving") from e
-    finally:
-        if opt_empty:
-            clear_optimizer_state(optimizer)
-    if zero and rank == 0:  # ZeRO keeps its state in per-rank local optimizers; rank 0 now holds it all
-        opt_empty = not state.get("optim", {}).get("state")
     del state
-
-    def _write_rng() -> None:
-        d = tmp / RNG_DIR
-        d.mkdir(exist_ok=True)
-        p = d / f"rank{rank}.pt"
-        torch.save(capture_rng(), p)
-        commit.fsync_file(p)
-
-    commit.run_everywhere(_write_rng, "writing the RNG state")
-
-    opt_kind = None if optimizer is None else ("zero" if zero else "dsd")
-    trainer_state = {
-        "format": TRAINER_STATE_FORMAT,
-        "step": step,
-        "world_size": world,
-        "torch_version": torch.__version__,
-        "optimizer": opt_kind,
-        "optimizer_state_empty": opt_empty,
-        "lr_scheduler": enc["lr_scheduler"],
-        "scaler_state": enc["scaler_state"],
-        "train_step": enc["train_step"],
-        "extra": enc["extra"],
-        "tied_params": tied_groups(model),
-    }
-    if dataloader is None:
-        trainer_state["dataloader"] = None
-    elif all(s == dl_states[0] for s in dl_states):
-        trainer_state["dataloader"] = dl_states[0]
-    else:
-        trainer_state["dataloader"] = None
-        trainer_state["dataloader_per_rank"] = dl_states
+    rng = ts.encode_rng()
+    commit.run_everywhere(lambda: ts.write_rank_file(tmp, ts.rng_file(_rank()), rng), "writing the RNG state")
 
     def _rank0_write(d: Path) -> None:
-        commit.write_file_durably(d / TRAINER_STATE, json.dumps(trainer_state, indent=1, allow_nan=False))
+        commit.write_file_durably(d / TRAINER_STATE, ts.document_text(doc))
 
     return commit.finish_save(tmp, root, step=step, rank0_write=_rank0_write, keep_last=keep_last)
 
 
 # ------------------------------------------------------------------------------------------- load
-def _read_trainer_state_text(ckpt: Path) -> str:
-    path = ckpt / TRAINER_STATE
-    try:
-        text = path.read_text(encoding="utf-8")
-        raw = json.loads(text)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"checkpoint file {path} is missing") from e
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint file {path} is corrupt: {e}") from e
-    if not isinstance(raw, dict) or raw.get("format") != TRAINER_STATE_FORMAT or not isinstance(raw.get("step"), int):
-        raise CheckpointError(f"checkpoint file {path} is corrupt: not a {TRAINER_STATE_FORMAT} document")
-    return text
-
-
-def _read_small_files(ckpt: Path) -> str:
+def _read_small_files(ckpt: Path) -> dict:
     """Rank 0's pre-load check: ``trainer_state.json`` and the DCP ``.metadata`` parse (a corrupt one makes
-    ``load(root)`` fall back to an older checkpoint instead of failing mid-load). Returns the trainer state."""
-    text = _read_trainer_state_text(ckpt)
+    ``load(root)`` fall back to an older checkpoint instead of failing mid-load). Returns the document."""
+    doc = ts.read_document(ckpt)
     read_metadata_safely(ckpt / ".metadata")
-    return text
+    return doc
 
 
 def check(ckpt_dir: str | os.PathLike) -> commit.Marker:
     """Check that ``ckpt_dir`` is a checkpoint :func:`load` can use and return its marker. Local, no
     process group.
 
-    Runs the checks ``load(root)`` uses to choose a checkpoint: the ``COMPLETE`` marker parses and every
-    file it lists exists with exactly the recorded size (bytes); ``trainer_state.json`` is a valid trainer
-    state; the DCP ``.metadata`` parses (with the safe unpickler). Tensor data is not read (a bit flip that
-    keeps a file's size is not detected).
+    The checks ``load(root)`` uses to choose a checkpoint: the ``COMPLETE`` marker parses, every file it
+    lists exists with exactly the recorded size (bytes) and matches its recorded SHA-256 (markers written
+    before checksums were recorded have none: ``marker.checksums`` is empty and only sizes are checked);
+    ``trainer_state.json`` is a valid trainer state; the DCP ``.metadata`` parses (with the safe unpickler).
 
     Raises:
-        CheckpointError: naming the directory (incomplete) or the offending file.
+        CorruptCheckpointError: naming the directory (incomplete) or the offending file.
     """
     ckpt_dir = Path(ckpt_dir)
-    marker = commit.verify(ckpt_dir)
+    marker = commit.verify(ckpt_dir, checksums=True)
     _read_small_files(ckpt_dir)
     return marker
+
+
+def _restore(ckpt: Path, marker: commit.Marker, doc: dict, live: ts.Live, strict: bool) -> dict:
+    """Load one verified checkpoint into the live objects. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    distributed = _distributed()
+    md = read_metadata_safely(ckpt / ".metadata")
+
+    def fill(target: dict[str, Any]) -> None:
+        try:
+            with quiet_single_process():
+                dcp.load(target, storage_reader=SafeFileSystemReader(ckpt), planner=SafeLoadPlanner(),
+                         no_dist=not distributed)
+        except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
+            raise unwrap_checkpoint_exception(e, ckpt, "loading") from e
+
+    def full_optimizer() -> dict:
+        try:
+            return _load_everything(ckpt, "optim", no_dist=not distributed)["optim"]
+        except (Exception, dcp.api.CheckpointException) as e:
+            raise unwrap_checkpoint_exception(e, ckpt, "loading") from e
+
+    ts.restore_tensors(live, ts.catalogue_from_metadata(md), fill, strict=strict, where=str(ckpt), document=doc,
+                       read_full_optimizer=full_optimizer)
+    source = ts.rng_source(_rank(), marker.world_size)
+
+    def _rest() -> dict:
+        info = ts.restore_document(live, doc, strict=strict, where=str(ckpt))
+        ts.restore_rng_file(ckpt / ts.rng_file(source))
+        return info
+
+    info = commit.run_everywhere(_rest, f"restoring the trainer state of {ckpt}")
+    info["path"] = ckpt
+    return info
 
 
 def load(
@@ -218,80 +182,48 @@ def load(
 ) -> dict:
     """Load a checkpoint written by :func:`save` into live objects. Collective.
 
-    ``path_or_root`` is either one checkpoint directory (which must be complete) or a root, in which case
-    the newest complete checkpoint under it is loaded (rank 0 decides and broadcasts, so all ranks agree);
-    a complete checkpoint whose ``trainer_state.json`` or DCP ``.metadata`` is corrupt is skipped with a
-    logged warning naming the file, and the next older one is loaded.
+    ``path_or_root`` is either one checkpoint directory (which must be usable) or a root, in which case
+    the newest usable checkpoint under it is loaded (:func:`torchloom.checkpoint.commit.select`, the rule
+    ``loom ckpt export``/``verify`` use too; rank 0 decides and every rank agrees): a checkpoint that is
+    incomplete, has a file whose size or SHA-256 differs from its ``COMPLETE`` marker, a corrupt
+    ``trainer_state.json``/``.metadata``, or a file found corrupt while loading, is skipped with a logged
+    warning naming the file, and the next older one is loaded.
     The world size and wrapping may differ from the saving job (DCP reshards). RNG: rank ``r`` restores
     the state saved by rank ``r % saved_world_size``. ``train_step`` gets its counters and loss-scaler
-    state back (its accumulation may differ from the saving run's).
+    state back (its accumulation may differ from the saving run's). The optimizer gets exactly the saved
+    state: frozen parameters keep theirs, parameters saved without state have none.
 
     Returns:
         ``{"step": int, "extra": dict, "scaler_state": dict | None, "path": Path}``
 
     Raises:
-        CheckpointError: the directory is incomplete (no valid ``COMPLETE`` marker), a file is missing,
-            truncated or corrupt (the message names it), the root holds no complete checkpoint, or
-            (``strict=True``) the checkpoint does not match the model/optimizer/scheduler/dataloader.
+        CheckpointError: the directory is unusable (:class:`CorruptCheckpointError`, naming the file),
+            the root holds no usable checkpoint, or (``strict=True``) the checkpoint does not match the
+            model/optimizer/scheduler/dataloader.
     """
-    ckpt, marker, text = commit.agree_on_checkpoint(path_or_root, read=_read_small_files)
-    ts_path = ckpt / TRAINER_STATE
-    try:
-        ts = from_json(json.loads(text))
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint file {ts_path} is corrupt: {e}") from e
+    live = ts.Live(model, optimizer, lr_scheduler, dataloader, train_step)
 
-    load_dcp_state(ckpt, model, optimizer, strict=strict, optimizer_state_empty=bool(ts.get("optimizer_state_empty")))
-    rank = _rank()
+    def attempt(ckpt: Path) -> dict:
+        marker, doc = commit.verify_everywhere(ckpt, read=_read_small_files)
+        return _restore(ckpt, marker, doc, live, strict)
 
-    def _restore_rest() -> None:
-        if lr_scheduler is not None:
-            if ts.get("lr_scheduler") is not None:
-                lr_scheduler.load_state_dict(ts["lr_scheduler"])
-            elif strict:
-                raise CheckpointError(f"checkpoint {ckpt} has no lr_scheduler state (pass lr_scheduler=None or strict=False)")
-        if train_step is not None:
-            if ts.get("train_step") is not None:
-                train_step.load_state_dict(ts["train_step"])
-            elif strict:
-                raise CheckpointError(f"checkpoint {ckpt} has no train_step state (pass train_step=None or strict=False)")
-        if dataloader is not None:
-            state = ts.get("dataloader")
-            per_rank = ts.get("dataloader_per_rank")
-            if state is None and per_rank:
-                state = per_rank[rank % len(per_rank)]
-            if state is not None:
-                dataloader.load_state_dict(state)
-            elif strict:
-                raise CheckpointError(f"checkpoint {ckpt} has no dataloader state (pass dataloader=None or strict=False)")
-        rng_path = ckpt / RNG_DIR / f"rank{rank % max(marker.world_size, 1)}.pt"
-        try:
-            rng = torch.load(rng_path, weights_only=True, map_location="cpu")
-        except FileNotFoundError as e:
-            raise CheckpointError(f"checkpoint file {rng_path} is missing") from e
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint file {rng_path} is corrupt: {type(e).__name__}: {short_error(e)}") from e
-        try:
-            restore_rng(rng)
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint file {rng_path} holds an invalid RNG state: {type(e).__name__}: {e}") from e
-
-    commit.run_everywhere(_restore_rest, f"restoring the trainer state of {ckpt}")
-    return {
-        "step": int(ts["step"]),
-        "extra": ts.get("extra") or {},
-        "scaler_state": ts.get("scaler_state"),
-        "path": ckpt,
-    }
+    _path, info = commit.select(path_or_root, attempt, collective=True)
+    return info
 
 
 # ------------------------------------------------------------------------------------ safetensors
-def _dedupe_tied(sd: dict[str, torch.Tensor], groups: list[list[str]]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Keep one copy per tied group (its first name present); return (tensors, {alias: owner})."""
+def _dedupe_tied(sd: dict[str, torch.Tensor], groups: list[list[str]],
+                 where: str = "the state dict") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Keep one copy per tied group (its first name present); return (tensors, {alias: owner}).
+
+    Raises:
+        CheckpointError: two names of one tied group hold different values (naming both keys).
+    """
     tensors = dict(sd)
     tied: dict[str, str] = {}
     for group in groups:
         present = [n for n in group if n in tensors]
+        check_tied_values(tensors, present, where)
         for alias in present[1:]:
             tied[alias] = present[0]
             del tensors[alias]
@@ -409,6 +341,8 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, strict: bool = T
         raise CheckpointError(f"safetensors file {path} is missing") from e
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"safetensors file {path} is corrupt: {type(e).__name__}: {e}") from e
+    for group in tied_groups(model):  # two different values for one tied parameter: refuse, never pick
+        check_tied_values(sd, [n for n in group if n in sd], f"safetensors file {path}")
     for alias, owner in tied.items():
         if owner in sd and alias not in sd:
             sd[alias] = sd[owner]
@@ -441,15 +375,17 @@ def export_from_dcp(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
     :func:`export_safetensors`. Reads with the safe DCP reader; needs memory for the whole model.
     """
     src = Path(checkpoint_dir)
-    if require_marker or not (src / ".metadata").exists():
-        src = commit.resolve(src)
-    tensors = read_model_tensors(src)
+    if not require_marker and (src / ".metadata").exists() and not (src / commit.MARKER).exists():
+        tensors = read_model_tensors(src)  # a bare DCP directory of another tool
+    else:
+        # the checkpoint a resume would load (commit.select): corrupt ones are skipped, naming the file
+        src, tensors = commit.select(src, lambda c: (check(c), read_model_tensors(c))[1])
     groups: list[list[str]] = []
-    ts_path = src / TRAINER_STATE
-    if ts_path.exists():
-        groups = json.loads(_read_trainer_state_text(src)).get("tied_params") or []
-    tensors, tied = _dedupe_tied(tensors, groups)
+    if (src / TRAINER_STATE).exists():
+        groups = ts.read_document(src).get("tied_params") or []
+    tensors, tied = _dedupe_tied(tensors, groups, f"checkpoint {src}")
     return _write_safetensors(tensors, tied, Path(out_path))
 
 
-__all__ = ["export_from_dcp", "export_safetensors", "load", "load_safetensors", "save"]
+__all__ = ["CorruptCheckpointError", "check", "check_tied_values", "export_from_dcp", "export_safetensors", "load",
+           "load_safetensors", "save"]

@@ -27,19 +27,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torchloom.checkpoint import commit
+from torchloom.checkpoint import trainer_state as ts
 from torchloom.checkpoint.shm import Slot, complete_steps
-from torchloom.checkpoint.state import (
-    capture_rng,
-    clear_optimizer_state,
-    dcp_state,
-    flat_optimizer,
-    from_json,
-    is_zero_optimizer,
-    optimizer_state_is_empty,
-    restore_rng,
-    tied_groups,
-    to_json,
-)
+from torchloom.checkpoint.state import from_json, is_zero_optimizer, to_json
 from torchloom.errors import CheckpointError
 
 log = logging.getLogger("torchloom.checkpoint.flash")
@@ -331,60 +321,29 @@ class FlashCheckpointer:
         self.blocking_s.append(time.perf_counter() - t0)
         return True
 
+    def _live(self) -> ts.Live:
+        return ts.Live(self.model, self.optimizer, self.lr_scheduler, self.dataloader, self.train_step)
+
     def _snapshot(self, slot: Slot, step: int, extra: dict | None, scaler_state: dict | None) -> None:
-        opt_empty = self.optimizer is not None and optimizer_state_is_empty(self.optimizer)
-        try:
-            state = dcp_state(self.model, self.optimizer)
-            flat, mapping = flatten(state)
-            tensors, objects = [], {}
-            for k, v in flat.items():
-                if isinstance(v, torch.Tensor):
-                    layout = _encode_layout(v)
-                    local = v.to_local() if layout is not None else v
-                    tensors.append((k, local, layout))  # copied straight into shared memory (device -> host)
-                else:
-                    objects[k] = v
-            ts = self._trainer_state(step, extra, scaler_state, opt_empty)
-            header = {"step": step, "rank": self.rank, "world_size": self.world, "time": time.time(),
-                      "objects": to_json(objects, "optimizer/model non-tensor state"),
-                      "mapping": to_json({k: list(v) for k, v in mapping.items()}),
-                      "trainer_state_text": json.dumps(ts, indent=1, allow_nan=False),
-                      "optimizer_state_empty": opt_empty}
-            slot.write(tensors, header, capture_rng())
-            other = self.slots[1 - slot.index]
-            if other._buf is None or other._buf.numel() < slot.last_nbytes:
-                other.reserve(slot.last_nbytes)  # both buffers are allocated by the first save, not later ones
-        finally:
-            if opt_empty:
-                clear_optimizer_state(self.optimizer)
-
-    def _trainer_state(self, step: int, extra: dict | None, scaler_state: dict | None, opt_empty: bool) -> dict:
-        from torchloom.checkpoint.api import TRAINER_STATE_FORMAT
-
-        def enc(obj, what):
-            return to_json(obj.state_dict(), what) if obj is not None else None
-
-        dl = enc(self.dataloader, "dataloader.state_dict()")
-        dls = [dl]
-        if self.dataloader is not None and self.world > 1:
-            dls = [None] * self.world
-            dist.all_gather_object(dls, dl)
-        ts = {
-            "format": TRAINER_STATE_FORMAT, "step": step, "world_size": self.world,
-            "torch_version": torch.__version__, "optimizer": None if self.optimizer is None else "dsd",
-            "optimizer_state_empty": opt_empty,
-            "lr_scheduler": enc(self.lr_scheduler, "lr_scheduler.state_dict()"),
-            "scaler_state": to_json(scaler_state, "scaler_state") if scaler_state is not None else None,
-            "train_step": enc(self.train_step, "train_step.state_dict()"),
-            "extra": to_json(dict(extra or {}), "extra"), "tied_params": tied_groups(self.model),
-        }
-        if self.dataloader is None:
-            ts["dataloader"] = None
-        elif all(s == dls[0] for s in dls):
-            ts["dataloader"] = dls[0]
-        else:
-            ts["dataloader"], ts["dataloader_per_rank"] = None, dls
-        return ts
+        live = self._live()
+        doc = ts.encode_document(live, step=step, extra=extra, scaler_state=scaler_state)
+        flat, mapping = flatten(ts.encode_tensors(live))
+        tensors, objects = [], {}
+        for k, v in flat.items():
+            if isinstance(v, torch.Tensor):
+                layout = _encode_layout(v)
+                local = v.to_local() if layout is not None else v
+                tensors.append((k, local, layout))  # copied straight into shared memory (device -> host)
+            else:
+                objects[k] = v
+        header = {"step": step, "rank": self.rank, "world_size": self.world, "time": time.time(),
+                  "objects": to_json(objects, "optimizer/model non-tensor state"),
+                  "mapping": to_json({k: list(v) for k, v in mapping.items()}),
+                  "trainer_state_text": ts.document_text(doc)}
+        slot.write(tensors, header, ts.encode_rng())
+        other = self.slots[1 - slot.index]
+        if other._buf is None or other._buf.numel() < slot.last_nbytes:
+            other.reserve(slot.last_nbytes)  # both buffers are allocated by the first save, not later ones
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the in-flight background save (if any) is committed. Raises CheckpointError if it
@@ -468,55 +427,33 @@ class FlashCheckpointer:
         return info
 
     def _load_memory(self, slot: Slot, strict: bool) -> dict:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict, set_model_state_dict
-
         header = slot.header()
+        where = str(slot.header_path)
         snap = slot.read_tensors(header)
-        target = dcp_state(self.model, self.optimizer)
-        flat, mapping = flatten(target)
         objects = from_json(header["objects"])
-        for k, v in flat.items():
-            if isinstance(v, torch.Tensor):
-                if k not in snap:
-                    if strict:
-                        raise CheckpointError(f"flash snapshot {slot.header_path} has no entry {k!r}")
+        mapping = from_json(header["mapping"])
+        catalogue = {k: (tuple(v), k in snap) for k, v in mapping.items()}
+
+        def fill(target: dict[str, Any]) -> None:
+            for k, v in target.items():
+                if not isinstance(v, torch.Tensor):
+                    target[k] = objects[k]
                     continue
                 local = v.to_local() if _encode_layout(v) is not None else v
                 if tuple(local.shape) != tuple(snap[k].shape):
-                    raise CheckpointError(f"flash snapshot {slot.header_path}: {k} has local shape "
+                    raise CheckpointError(f"flash snapshot {where}: {k} has local shape "
                                           f"{tuple(snap[k].shape)}, the live state {tuple(local.shape)}")
                 with torch.no_grad():
                     local.copy_(snap[k])
-            elif k in objects:
-                flat[k] = objects[k]
-        from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
-        state = unflatten_state_dict(flat, mapping)
-        opts = StateDictOptions(strict=strict, flatten_optimizer_state_dict=flat_optimizer(self.model))
-        if "optim" in state:
-            opt = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
-            set_state_dict(self.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                           options=opts)
-        else:
-            set_model_state_dict(self.model, state["model"], options=opts)
-        if self.optimizer is not None and header.get("optimizer_state_empty"):
-            clear_optimizer_state(self.optimizer)
-        ts = from_json(json.loads(header["trainer_state_text"]))
-        if self.lr_scheduler is not None and ts.get("lr_scheduler") is not None:
-            self.lr_scheduler.load_state_dict(ts["lr_scheduler"])
-        if self.train_step is not None and ts.get("train_step") is not None:
-            self.train_step.load_state_dict(ts["train_step"])
-        if self.dataloader is not None:
-            st = ts.get("dataloader")
-            if st is None and ts.get("dataloader_per_rank"):
-                st = ts["dataloader_per_rank"][self.rank]
-            if st is not None:
-                self.dataloader.load_state_dict(st)
-        restore_rng(slot.read_rng())
+        live = self._live()
+        doc = ts.parse_document(header["trainer_state_text"], where)
+        ts.restore_tensors(live, catalogue, fill, strict=strict, where=f"flash snapshot {where}", document=doc)
+        info = ts.restore_document(live, doc, strict=strict, where=f"flash snapshot {where}")
+        ts.restore_rng_file(slot.rng_path)
         if self.world > 1:
             dist.barrier()
-        return {"step": int(header["step"]), "extra": ts.get("extra") or {}, "scaler_state": ts.get("scaler_state"),
-                "path": slot.header_path, "source": "memory"}
+        return {**info, "path": slot.header_path, "source": "memory"}
 
 
 __all__ = ["FlashCheckpointer", "ON_BUSY", "rebuild_state"]

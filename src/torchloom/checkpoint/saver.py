@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -40,6 +39,7 @@ def persist(slot_dir: Path, slot_index: int, step: int, root: Path, keep_last: i
     from torch.distributed.checkpoint import FileSystemWriter
 
     from torchloom.checkpoint import commit
+    from torchloom.checkpoint import trainer_state as ts
     from torchloom.checkpoint.flash import rebuild_state
     from torchloom.checkpoint.shm import Slot
     from torchloom.checkpoint.state import unwrap_checkpoint_exception
@@ -67,18 +67,13 @@ def persist(slot_dir: Path, slot_index: int, step: int, root: Path, keep_last: i
     if os.environ.get(_CRASH_ENV) == str(step) and rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)  # test hook: the writer dies after its shard landed
 
-    def _rng() -> None:
-        d = tmp / "rng"
-        d.mkdir(exist_ok=True)
-        p = d / f"rank{rank}.pt"
-        shutil.copyfile(slot.rng_path, p)
-        commit.fsync_file(p)
-
-    commit.run_everywhere(_rng, "writing the RNG state")
+    # the snapshot holds the rank's files as the disk tier writes them (trainer_state encodes both)
+    commit.run_everywhere(lambda: ts.write_rank_file(tmp, ts.rng_file(rank), slot.rng_path.read_bytes()),
+                          "writing the RNG state")
     del state
 
     def _rank0(d: Path) -> None:
-        commit.write_file_durably(d / "trainer_state.json", header["trainer_state_text"])
+        commit.write_file_durably(d / ts.TRAINER_STATE, header["trainer_state_text"])
 
     return commit.finish_save(tmp, root, step=step, rank0_write=_rank0, keep_last=keep_last)
 

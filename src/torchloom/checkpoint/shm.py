@@ -72,9 +72,11 @@ class Slot:
         self.header_path.unlink(missing_ok=True)
 
     def write(self, tensors: list[tuple[str, torch.Tensor, dict | None]], header: dict[str, Any],
-              rng: dict[str, Any]) -> int:
+              rng: bytes) -> int:
         """Copy ``tensors`` (``(key, local tensor, DTensor layout or None)``) into the slot, then write
-        ``rng`` and finally the header (``header`` plus the entries). Returns the bytes copied."""
+        ``rng`` (this rank's RNG file, :func:`torchloom.checkpoint.trainer_state.encode_rng`; the saver
+        writes these bytes as the checkpoint's ``rng/rank{r}.pt``) and finally the header (``header`` plus
+        the entries). Returns the bytes copied."""
         entries, offset = [], 0
         for key, t, layout in tensors:
             n = _nbytes(t)
@@ -88,7 +90,7 @@ class Slot:
             if e["nbytes"]:
                 dst = buf[e["offset"]:e["offset"] + e["nbytes"]].view(t.dtype).view(t.shape)
                 dst.copy_(t.detach())
-        torch.save(rng, self.rng_path)
+        self.rng_path.write_bytes(rng)
         doc = dict(header, format=HEADER_FORMAT, entries=entries, data_bytes=offset)
         part = self.header_path.with_name(f"{self.header_path.name}.{uuid.uuid4().hex[:8]}.part")
         part.write_text(json.dumps(doc, allow_nan=False))
@@ -118,12 +120,6 @@ class Slot:
             raw = buf[e["offset"]:e["offset"] + e["nbytes"]]
             out[e["key"]] = raw.view(dt).view(e["shape"]) if e["nbytes"] else torch.empty(e["shape"], dtype=dt)
         return out
-
-    def read_rng(self) -> dict[str, Any]:
-        try:
-            return torch.load(self.rng_path, weights_only=True)
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"flash snapshot file {self.rng_path} is corrupt: {type(e).__name__}: {e}") from e
 
 
 def slots(directory: str | os.PathLike) -> list[Slot]:

@@ -1,10 +1,12 @@
 """What goes into a checkpoint, and how it is read back without unpickling anything untrusted.
 
-* Model and optimizer tensors go through ``torch.distributed.checkpoint`` (DCP), built with
-  ``get_state_dict``/``set_state_dict`` (plain modules, DDP, FSDP2 ``fully_shard``, ``torch.compile`` and
+* Model and optimizer tensors go through ``torch.distributed.checkpoint`` (DCP), the model's built with
+  ``get_model_state_dict``/``set_model_state_dict`` (plain modules, DDP, FSDP2 ``fully_shard``, ``torch.compile`` and
   activation-checkpoint wrappers; keys are the plain model's FQNs, so a checkpoint reshards to another
   world size or wrapping). ``ZeroRedundancyOptimizer`` is not supported by ``get_state_dict``; it is
-  consolidated to rank 0 and stored in the same FQN-keyed layout (see :func:`dcp_state`).
+  consolidated to rank 0 and stored in the same FQN-keyed layout (see
+  :func:`torchloom.checkpoint.trainer_state.encode_tensors`). Other optimizers are encoded by
+  :mod:`torchloom.checkpoint.optimizer_state` (DSD loses frozen and stateless parameters' state).
 * Small Python state (step, scheduler, dataloader, loss scaler, user ``extra``) is JSON
   (:func:`to_json`/:func:`from_json`).
 * RNG states are per-rank ``.pt`` files of tensors/ints only, read with ``torch.load(weights_only=True)``.
@@ -35,11 +37,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
 )
 
+from torchloom.checkpoint.commit import CorruptCheckpointError
 from torchloom.errors import CheckpointError
 
 try:  # numpy is optional
@@ -257,11 +257,11 @@ def read_metadata_safely(path: str | Path) -> Metadata:
         with open(path, "rb") as f:
             md = _MetadataUnpickler(f).load()
     except FileNotFoundError as e:
-        raise CheckpointError(f"DCP metadata file {path} is missing") from e
+        raise CorruptCheckpointError(f"DCP metadata file {path} is missing") from e
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"DCP metadata file {path} is corrupt or unsafe: {type(e).__name__}: {e}") from e
+        raise CorruptCheckpointError(f"DCP metadata file {path} is corrupt or unsafe: {type(e).__name__}: {e}") from e
     if not isinstance(md, Metadata):
-        raise CheckpointError(f"DCP metadata file {path} does not hold DCP Metadata (got {type(md).__name__})")
+        raise CorruptCheckpointError(f"DCP metadata file {path} does not hold DCP Metadata (got {type(md).__name__})")
     return md
 
 
@@ -292,7 +292,7 @@ class SafeFileSystemReader(FileSystemReader):
         except Exception as e:  # noqa: BLE001
             where = self._current_file or f"a file of {self.path}"
             detail = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {short_error(e)}"
-            raise CheckpointError(f"checkpoint file {where} is corrupt or truncated: {detail}") from e
+            raise CorruptCheckpointError(f"checkpoint file {where} is corrupt or truncated: {detail}") from e
 
 
 def short_error(e: BaseException) -> str:
@@ -310,7 +310,7 @@ def _load_bytes_safely(planner: DefaultLoadPlanner, read_item: Any, value: io.By
     try:
         obj = torch.load(value, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(
+        raise CorruptCheckpointError(
             f"its value {fqn!r} does not load with torch.load(weights_only=True): {short_error(e)}"
         ) from e
     if planner.flatten_state_dict:
@@ -341,7 +341,7 @@ def unwrap_checkpoint_exception(e: BaseException, ckpt_dir: Path, action: str) -
         rank, pair = sorted(failures.items())[0]
         inner = pair[0] if isinstance(pair, tuple) else pair
         if isinstance(inner, CheckpointError):
-            return CheckpointError(f"{inner} (rank {rank})")
+            return type(inner)(f"{inner} (rank {rank})")
         return CheckpointError(f"{action} checkpoint {ckpt_dir} failed on rank {rank}: {type(inner).__name__}: {inner}")
     if isinstance(e, CheckpointError):
         return e
@@ -416,157 +416,11 @@ def _zero_state_from_fqn(model: nn.Module, zero: Any, osd: dict[str, Any]) -> di
     return {"state": state, "param_groups": groups}
 
 
-def optimizer_state_is_empty(optimizer: Any) -> bool:
-    """Whether no optimizer passed has any per-parameter state yet (no ``step()`` taken)."""
-    opts = _optimizers(optimizer)
-    return bool(opts) and all(not o.state for o in opts)
-
-
-def clear_optimizer_state(optimizer: Any) -> None:
-    """Drop all per-parameter state (param groups, hence hyperparameters, are kept)."""
-    for o in _optimizers(optimizer):
-        o.state.clear()
-        inner = getattr(o, "optim", None)  # ZeroRedundancyOptimizer's local optimizer
-        if isinstance(inner, torch.optim.Optimizer):
-            inner.state.clear()
-
-
-def dcp_state(model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
-    """The DCP state dict ``{"model": ..., "optim": ...}`` of ``model`` (and optimizer). Collective.
-
-    ``ZeroRedundancyOptimizer``: ``get_state_dict`` cannot read it (its ``state_dict()`` needs a prior
-    ``consolidate_state_dict``), so every rank consolidates to rank 0 and only rank 0 contributes the
-    ``optim`` entries, converted to the FQN-keyed layout of a plain optimizer (rank 0 briefly holds the
-    full optimizer state). The checkpoint then loads into a plain optimizer, FSDP, or ZeRO at any size.
-    """
-    opts = _optimizers(optimizer)
-    if opts and is_zero_optimizer(opts[0]):
-        zero = opts[0]
-        msd = get_model_state_dict(model)
-        if dist.is_available() and dist.is_initialized():
-            zero.consolidate_state_dict(to=0)
-            rank = dist.get_rank()
-        else:
-            rank = 0
-        out: dict[str, Any] = {"model": msd}
-        if rank == 0:
-            out["optim"] = _zero_state_to_fqn(model, zero)
-        return out
-    if not opts:
-        return {"model": get_model_state_dict(model)}
-    msd, osd = get_state_dict(model, opts, options=StateDictOptions(flatten_optimizer_state_dict=flat_optimizer(model)))
-    return {"model": msd, "optim": osd}
-
-
 def flat_optimizer(model: nn.Module) -> bool:
     """Whether ``model``'s optimizer state is stored per parameter name (``param_groups.<fqn>.lr``) rather than
     per group index. Pipelined models need it: each rank's group 0 holds other parameters, and per-index
     entries saved by several ranks would overwrite each other (torchtitan flattens for the same reason)."""
     return _holds_part_of_model(model)
-
-
-def checkpoint_optimizer_is_flat(md: Metadata) -> bool | None:
-    """Layout of a checkpoint's optimizer state: True per parameter name, False per group index, None if
-    it has none."""
-    groups = [k.split(".")[2] for k in md.state_dict_metadata if k.startswith("optim.param_groups.")]
-    if not groups:
-        return None
-    return not all(g.isdigit() for g in groups)
-
-
-def checkpoint_keys(md: Metadata) -> dict[str, set[str]]:
-    """Top-level entry ("model", "optim", ...) -> the second-level keys present in a DCP checkpoint."""
-    out: dict[str, set[str]] = {}
-    for k in md.state_dict_metadata:
-        path = (md.planner_data or {}).get(k)
-        if path:
-            out.setdefault(str(path[0]), set()).add(str(path[1]) if len(path) > 1 else "")
-        else:
-            head, _, rest = k.partition(".")
-            out.setdefault(head, set()).add(rest)
-    return out
-
-
-def load_dcp_state(
-    ckpt_dir: Path,
-    model: nn.Module,
-    optimizer: Any = None,
-    *,
-    strict: bool = True,
-    optimizer_state_empty: bool = False,
-    md: Metadata | None = None,
-) -> None:
-    """Load model (and optimizer) from the DCP files of ``ckpt_dir`` into the live objects. Collective.
-
-    ``optimizer_state_empty``: the optimizer had no state when it was saved; only its param groups are
-    restored and its state is left empty, exactly like the saved optimizer.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    distributed = dist.is_available() and dist.is_initialized()
-    md = md if md is not None else read_metadata_safely(ckpt_dir / ".metadata")
-    present = checkpoint_keys(md)
-    opts = _optimizers(optimizer)
-    if opts and "optim" not in present and strict:
-        raise CheckpointError(
-            f"checkpoint {ckpt_dir} has no optimizer state (it was saved without an optimizer): pass "
-            f"optimizer=None, or strict=False to keep the optimizer as it is"
-        )
-    load_optim = bool(opts) and "optim" in present
-    zero = opts[0] if opts and is_zero_optimizer(opts[0]) else None
-
-    flat = checkpoint_optimizer_is_flat(md) if load_optim else None
-    if load_optim and flat != flat_optimizer(model) and (zero is not None or flat_optimizer(model)):
-        layout = "per parameter name (a pipelined job)" if flat else "per parameter-group index"
-        target_kind = "ZeRO optimizer" if zero is not None else "pipelined model"
-        raise CheckpointError(
-            f"checkpoint {ckpt_dir} stores optimizer state {layout}, which this {target_kind} cannot load; load the "
-            f"model only (optimizer=None) and start the optimizer fresh"
-        )
-    if zero is not None or not load_optim:
-        target = {"model": get_model_state_dict(model)}
-    else:
-        msd, osd = get_state_dict(model, opts, options=StateDictOptions(flatten_optimizer_state_dict=bool(flat)))
-        target = {"model": msd, "optim": osd}
-
-    if strict:
-        want, have = set(target["model"]), present.get("model", set())
-        if distributed and _holds_part_of_model(model):  # pipeline stages: the job's keys are every rank's union
-            everyone: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, sorted(want))
-            want = set().union(*map(set, everyone))
-        missing, unexpected = sorted(want - have), sorted(have - want)
-        if missing or unexpected:
-            raise CheckpointError(
-                f"checkpoint {ckpt_dir} does not match the model (strict=True): missing {len(missing)} keys "
-                f"{missing[:5]}, unexpected {len(unexpected)} keys {unexpected[:5]}. Load with strict=False "
-                f"to load the overlap."
-            )
-    try:
-        with quiet_single_process():
-            dcp.load(
-                target,
-                storage_reader=SafeFileSystemReader(ckpt_dir),
-                # Model keys were checked above; optimizer entries may be partial for an empty optimizer.
-                planner=SafeLoadPlanner(allow_partial_load=not strict or optimizer_state_empty),
-                no_dist=not distributed,
-            )
-        zero_osd = None
-        if zero is not None and load_optim:
-            full = _load_everything(ckpt_dir, "optim", no_dist=not distributed)
-            zero_osd = _zero_state_from_fqn(model, zero, full["optim"])
-    except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
-        raise unwrap_checkpoint_exception(e, ckpt_dir, "loading") from e
-
-    options = StateDictOptions(strict=strict, flatten_optimizer_state_dict=bool(flat))
-    if zero is not None or not load_optim:
-        set_model_state_dict(model, target["model"], options=options)
-        if zero_osd is not None:
-            zero.load_state_dict(zero_osd)
-    else:
-        set_state_dict(model, opts, model_state_dict=target["model"], optim_state_dict=target["optim"], options=options)
-    if opts and optimizer_state_empty:
-        clear_optimizer_state(opts)
 
 
 def _holds_part_of_model(model: nn.Module) -> bool:
