@@ -13,9 +13,11 @@ from torch import nn
 from .context import AccelContext
 from .data import build_dataloader, plan_batches
 from .errors import StrategyError
+from .parallel.consistency import ReplicaMonitor
 from .parallel.distributed import init_distributed
 from .parallel.materialize import materialize_meta_model
 from .parallel.mesh import ParallelDims, ParallelMesh
+from .parallel.unused_params import install_fsdp_zero_fill
 from .strategy.annotations import has_annotations, strategy_from_annotations
 from .strategy.data_parallel import replicating_data_parallel
 from .strategy.strategy import Strategy, StrategyLike
@@ -43,6 +45,8 @@ class AccelerateResult:
         device: this rank's device (``cuda:LOCAL_RANK`` or CPU).
         compute_dtype: dtype of the matmuls (amp's or half's dtype, else fp32): what MFU should divide by.
         notes: what each method did, in order.
+        replica_monitor: the :class:`~torchloom.parallel.consistency.ReplicaMonitor` when
+            ``check_replicas_every`` was given, else None.
     """
 
     model: nn.Module
@@ -60,6 +64,17 @@ class AccelerateResult:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     compute_dtype: torch.dtype = torch.float32
     notes: list[str] = field(default_factory=list)
+    replica_monitor: Any = None
+
+    def check_replicas(self, raise_error: bool = True):
+        """Compare the parameters of every data-parallel replica now (a collective: call it on every rank at
+        the same point). Returns a :class:`~torchloom.parallel.consistency.ReplicaReport`; raises
+        :class:`~torchloom.errors.ReplicaDivergenceError` naming the first differing parameter unless
+        ``raise_error=False``. See docs/methods/ddp.md, "Replica consistency"."""
+        from .parallel.consistency import check_replicas
+
+        parts = getattr(self.model, "parts", None) or [self.model]
+        return check_replicas(parts, self.mesh, self.device, raise_error=raise_error)
 
     def forward_loss(self, batch: Any) -> torch.Tensor:
         """Loss of one batch without backward (for evaluation); runs the model as ``train_step`` does.
@@ -82,6 +97,7 @@ def auto_accelerate(
     lr_scheduler_args: dict[str, Any] | None = None,
     max_grad_norm: float | None = None,
     seed: int = 0,
+    check_replicas_every: int | None = None,
 ) -> AccelerateResult:
     """Turn a single-device model and recipe into a distributed one (ATorch-compatible signature).
 
@@ -109,6 +125,10 @@ def auto_accelerate(
         max_grad_norm: clip the global gradient norm (across all shards and ranks) to this value.
         seed: ``torch.manual_seed(seed)`` runs on every rank before the methods are applied (so meta-device
             initialisation is the same on every rank); also the default shuffling seed of the sampler.
+        check_replicas_every: compare a checksum of every parameter across its data-parallel replicas after
+            the first optimizer step and then every N steps, and raise ReplicaDivergenceError naming the
+            first parameter that differs (one small all-gather per replica group; docs/methods/ddp.md).
+            None (default) = off.
 
     Returns:
         :class:`AccelerateResult`.
@@ -130,6 +150,9 @@ def auto_accelerate(
             f"model_input_format={model_input_format!r} is not valid; use None, 'unpack_sequence' or 'unpack_dict'."
         )
     _check_arguments(optim_func, max_grad_norm, seed)
+    if check_replicas_every is not None and (isinstance(check_replicas_every, bool) or not isinstance(
+            check_replicas_every, int) or check_replicas_every < 1):
+        raise ValueError(f"check_replicas_every must be a positive int or None (off), got {check_replicas_every!r}.")
     device = init_distributed()
     annotated = has_annotations(model)  # replicate/split scopes: they become (or merge into) the strategy
     strategy = strategy_from_annotations(model, _world_size(), strategy) if annotated else Strategy.parse(strategy)
@@ -170,6 +193,7 @@ def auto_accelerate(
         m.apply(ctx)
     for fn in ctx.post_apply:
         fn(ctx)
+    install_fsdp_zero_fill(ctx.model_parts)  # ranks that skip a branch must not desync FSDP's reduce-scatter
 
     # 3. optimizer after sharding (it must see the sharded parameters), then optimizer-level methods
     params = list({id(p): p for part in ctx.model_parts for p in part.parameters() if p.requires_grad}.values())
@@ -180,6 +204,9 @@ def auto_accelerate(
         m.wrap_optimizer(ctx)
     for fn in ctx.post_optimizer:
         fn(ctx)
+    monitor = None
+    if check_replicas_every is not None:
+        monitor = ReplicaMonitor(ctx.model_parts, ctx.mesh, device, check_replicas_every).attach(ctx.optimizer)
     lr_scheduler = lr_scheduler_cls(ctx.optimizer, **(lr_scheduler_args or {})) if lr_scheduler_cls else None
 
     # 4. data: the global batch is split over dp ranks and accumulation steps
@@ -197,7 +224,7 @@ def auto_accelerate(
         lr_scheduler=lr_scheduler, strategy=strategy, mesh=ctx.mesh, train_step=step, grad_accum_steps=accum,
         micro_batch_size=micro, global_batch_size=global_bs, loss_scaler=ctx.loss_scaler, device=device,
         compute_dtype=ctx.autocast_dtype or ctx.param_dtype or torch.float32,
-        notes=ctx.notes,
+        notes=ctx.notes, replica_monitor=monitor,
     )
 
 

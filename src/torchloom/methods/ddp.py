@@ -4,10 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..parallel.buffers import install_buffer_sync, running_stat_buffers
 from ..parallel.comm_hooks import register_comm_hook
+from ..parallel.unused_params import check_ddp_reduced
 from ..strategy.registry import Method, Stage, register_method
 
 
@@ -80,6 +82,34 @@ class DDP(Method):
         ctx.note(f"ddp: DistributedDataParallel over dp={ctx.mesh.dp_size}" + (f"; {note}" if note else ""))
         if c.sync_buffers:
             install_buffer_sync(ctx, "ddp")
+        guard = ReductionGuard()
+        ctx.pre_step_hooks.insert(0, guard.check)  # train_step: before any other collective of the step
+        ctx.post_optimizer.append(guard.attach)  # a plain loop: optimizer.step() checks first
+
+
+class ReductionGuard:
+    """Stops an optimizer step whose DDP gradients were not all all-reduced (parameters without a gradient
+    and ``find_unused_parameters=False``, or a static graph whose used set changed), with
+    :class:`~torchloom.errors.GradientSyncError` naming them; see ``torchloom.parallel.unused_params``.
+
+    Runs as ``train_step``'s first pre-step hook and as an optimizer step pre-hook (for loops that call
+    ``loss.backward(); optimizer.step()`` themselves); a flag read per step.
+    """
+
+    def __init__(self):
+        self.models: list = []
+        self.steps = 0  # optimizer steps taken (for the advice: a set that changes needs find_unused)
+
+    def attach(self, ctx) -> None:
+        self.models = [m for part in ctx.model_parts for m in part.modules() if isinstance(m, DistributedDataParallel)]
+        ctx.optimizer.register_step_pre_hook(lambda *_: self.check())
+        ctx.optimizer.register_step_post_hook(lambda *_: self._stepped())
+
+    def check(self, *_params) -> None:
+        check_ddp_reduced(self.models, self.steps, dist.get_rank())
+
+    def _stepped(self) -> None:
+        self.steps += 1
 
 
 def _buffer_sync_kwargs(sync: bool) -> dict:

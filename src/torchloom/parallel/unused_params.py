@@ -103,16 +103,19 @@ def _ddp_message(ddp: DistributedDataParallel, raw: str, step: int, rank: int) -
             "them; stepping would make the replicas differ. torchloom stopped before the optimizer step (the "
             "parameters are still the same on every rank).")
     if getattr(ddp, "static_graph", False):
-        fix = ("static_graph: true needs the same parameters used at every step; these were used at an earlier "
-               "step. Use ('ddp', {'find_unused_parameters': True}) instead.")
+        fix = ("static_graph: true needs the same parameters used at every step, and on this torch it also fails "
+               "for forward outputs the loss ignores (pytorch/pytorch issues 97030, 79171; it is only sound for "
+               "modules skipped in forward at every step). Use ('ddp', {'find_unused_parameters': True}), or "
+               "p.requires_grad_(False) for parameters that should not train.")
     elif step > 0:
         fix = ("They got gradients at earlier steps, so the set of used parameters changes from step to step: "
                "use ('ddp', {'find_unused_parameters': True}) (static_graph is not valid for such a model).")
     else:
         fix = ("Fix one of: (1) parameters that should not train: p.requires_grad_(False) before auto_accelerate, "
-               "or make the loss use the output they produce; (2) the same parameters are unused at every step: "
-               "('ddp', {'static_graph': True}) (no per-step cost); (3) the set changes from step to step or from "
-               "rank to rank: ('ddp', {'find_unused_parameters': True}) (a graph search per step).")
+               "or make the loss use the output they produce; (2) ('ddp', {'find_unused_parameters': True}) (a "
+               "graph search per step; also right when the set changes between steps or ranks). "
+               "('ddp', {'static_graph': True}) costs nothing per step but is only sound for modules skipped in "
+               "forward at every step, not for outputs the loss ignores (pytorch/pytorch issue 97030).")
     return f"{head} {fix}"
 
 
