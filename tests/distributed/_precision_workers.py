@@ -256,6 +256,7 @@ CNN_CONFIGS = {
     "fsdp_half": ["fsdp", "half"],
     "ddp_half": ["ddp", "half"],
     "ddp_amp": ["ddp", "amp"],
+    "fsdp_amp_meta": ["fsdp", "amp"],  # built on the meta device: the fp32 units are materialised too
 }
 
 
@@ -330,8 +331,13 @@ def cnn_precision_runs() -> dict:
     out = {}
     for tag, strategy in CNN_CONFIGS.items():
         try:
+            if tag.endswith("_meta"):
+                with torch.device("meta"):
+                    model = TinyCNN()
+            else:
+                model = TinyCNN()
             res = torchloom.auto_accelerate(
-                TinyCNN(), sgd, None, cnn_loss, strategy=strategy, model_input_format="unpack_dict",
+                model, sgd, None, cnn_loss, strategy=strategy, model_input_format="unpack_dict",
                 dataloader_args={"batch_size": CNN_GB, "micro_batch_size": CNN_GB // DP},
                 prepare_input=_bf16_images if "half" in strategy else None,
             )

@@ -153,13 +153,15 @@ def _close(a, b, tol) -> bool:
 
 @pytest.mark.distributed
 def test_batchnorm_cnn_under_fsdp_amp_and_half():
-    """A conv + BatchNorm CNN under fsdp+amp, fsdp+half, ddp+half and ddp+amp: it runs, the running
+    """A conv + BatchNorm CNN under fsdp+amp (also built on the meta device), fsdp+half, ddp+half and ddp+amp:
+    it runs, the running
     statistics stay fp32 and equal a replay (per-rank updates averaged), BatchNorm computes with fp32
     weights while the convs ran in bf16, and the parameters match the replay within CNN_TOL; the fp32
     replay is outside CNN_TOL of every low-precision one (asserted), so a run in fp32 would fail."""
     outs = run_ranks(W.cnn_precision_runs, 2, timeout=600)
     replay = {m: W.replay_cnn(m) for m in ("fp32", "fsdp_mp", "half", "autocast")}
-    want = {"fsdp_amp": "fsdp_mp", "fsdp_half": "half", "ddp_half": "half", "ddp_amp": "autocast"}
+    want = {"fsdp_amp": "fsdp_mp", "fsdp_half": "half", "ddp_half": "half", "ddp_amp": "autocast",
+            "fsdp_amp_meta": "fsdp_mp"}  # a meta-built model materialises to the CPU build (test_meta_init.py)
     for tag, mode in want.items():
         tol = CNN_TOL[mode]
         assert not all(_close(replay[mode][1][n], p, tol) for n, p in replay["fp32"][1].items()), mode
