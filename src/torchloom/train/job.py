@@ -203,7 +203,7 @@ class Job:
             model_input_format="unpack_dict",
             lr_scheduler_cls=LambdaLR,
             lr_scheduler_args={"lr_lambda": warmup_cosine(t.warmup, t.steps, t.min_lr_ratio)},
-            max_grad_norm=t.max_grad_norm, seed=t.seed,
+            max_grad_norm=t.max_grad_norm, seed=t.seed, check_replicas_every=t.check_replicas_every or None,
         )
         res = self.res
         for note in res.notes:
