@@ -207,6 +207,8 @@ def auto_accelerate(
     monitor = None
     if check_replicas_every is not None:
         monitor = ReplicaMonitor(ctx.model_parts, ctx.mesh, device, check_replicas_every).attach(ctx.optimizer)
+        ctx.note(f"replica check: parameters compared across data-parallel replicas after step 1 and every "
+                 f"{check_replicas_every} steps")
     lr_scheduler = lr_scheduler_cls(ctx.optimizer, **(lr_scheduler_args or {})) if lr_scheduler_cls else None
 
     # 4. data: the global batch is split over dp ranks and accumulation steps

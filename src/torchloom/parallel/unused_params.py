@@ -26,15 +26,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import GradientSyncError
 
-#: path components that wrapper modules insert (DDP, torch.compile, activation checkpointing, FSDP1)
-_WRAPPER_PARTS = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+#: path components that wrapper modules insert anywhere (torch.compile, activation checkpointing, FSDP1);
+#: DDP's ``module`` is dropped only before the first other component (a user's submodule may be called so)
+_WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 _SHOW = 8  # parameter names listed in an error (then "... and N more")
 
 
 def clean_name(name: str) -> str:
     """``name`` without the components wrapper modules insert (``module.``, ``_orig_mod.``, ...), i.e. the
     plain model's FQN."""
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+    parts = [p for p in name.split(".") if p not in _WRAPPER_PARTS]
+    while len(parts) > 1 and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 def list_names(names: list[str], show: int = _SHOW) -> str:
