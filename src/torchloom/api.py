@@ -117,7 +117,8 @@ def auto_accelerate(
         dataloader_args: ``DataLoader`` arguments; ``batch_size`` is the **global** batch (samples per
             optimizer step over all data-parallel ranks). ``micro_batch_size`` (per rank) may be given too;
             gradient-accumulation steps = global / (dp * micro). ``seed``/``shuffle``/``drop_last`` set
-            the elastic sampler.
+            the elastic sampler. An iterable dataset's ranks agree when its data ends (``uneven``: "drop"
+            the surplus with a warning, the default, or "error"; docs/data.md).
         model_input_format: None -> ``model(batch)``; "unpack_sequence" -> ``model(*batch)``;
             "unpack_dict" -> ``model(**batch)``.
         prepare_input: ``prepare_input(batch, device) -> batch`` (default: move tensors to the device).
