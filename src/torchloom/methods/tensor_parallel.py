@@ -129,9 +129,10 @@ class TensorParallel(Method):
         if heads:
             ctx.note(f"tensor_parallel: divided head-count attributes by tp={tp} (user plan; modules whose "
                      f"projections are column-wise sharded): {describe_heads(heads, tp)}")
-        unverified = self._compare_probes(ctx, parts, resolved, probes, mesh, flags, skipped)
-        guessed = [h for h in heads if unverified is True or any(h.module == u or h.module.startswith(u + ".")
-                                                                  for u in unverified)]
+        verified = [_blocks(n) for n in self._compare_probes(ctx, parts, resolved, probes, mesh, flags, skipped)]
+        # a representative region (blocks.0.attn) verifies the same module in every block
+        guessed = [h for h in heads if not any(_blocks(h.module) == v or _blocks(h.module).startswith(v + ".")
+                                               for v in verified)]
         if guessed:
             warnings.warn(
                 f"tensor_parallel: divided head-count attributes by tp={tp}: {describe_heads(guessed, tp)}, without "
@@ -152,15 +153,15 @@ class TensorParallel(Method):
         return probes, None
 
     def _compare_probes(self, ctx, parts, resolved, probes, mesh, flags, skipped):
-        """Compare the sharded forward with the probe's reference; returns True (nothing verified) or the
-        regions that could not be probed.
+        """Compare the sharded forward with the probe's reference; returns the regions verified (none when
+        the probe was skipped).
 
         Raises:
             StrategyError: a region's sharded output differs, naming it, its projections and the fix.
         """
         if probes is None:
             ctx.note(f"tensor_parallel: sharded forward not verified ({skipped})")
-            return True
+            return []
         start = time.perf_counter()
         diffs, unverified = {}, {}
         for part, r, probe in zip(parts, resolved, probes):
@@ -181,7 +182,7 @@ class TensorParallel(Method):
             if any(r.plan.family == "custom" for r in resolved):
                 warnings.warn(msg + ". Check that these modules work on sharded widths, or write their forward "
                               "so it can be called with the hidden states alone.", stacklevel=3)
-        return list(unverified)
+        return list(diffs)
 
     def wrap_optimizer(self, ctx) -> None:
         if ctx.mesh.dims.tp > 1:
@@ -226,6 +227,11 @@ class LossParallel(Method):
         if ctx.mesh.dims.tp > 1:
             ctx.step_contexts.append(loss_parallel)
             ctx.note("loss_parallel: cross-entropy on vocab-sharded logits inside loss_parallel()")
+
+
+def _blocks(name: str) -> str:
+    """A module name with its numeric components as ``*`` (``blocks.0.attn`` -> ``blocks.*.attn``)."""
+    return ".".join("*" if a.isdigit() else a for a in name.split("."))
 
 
 def _probe_error(part, resolved, failures: dict[str, str], tp: int) -> str:
