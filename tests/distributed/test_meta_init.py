@@ -3,7 +3,9 @@
 A tiny Llama (and a tied GPT-2 under pipelining) is built on the meta device and handed to ``auto_accelerate``
 (seed 0); the sharding methods materialise it. Every rank's gathered parameters must equal those of
 ``tiny_llama(seed=0)`` built on the CPU **bit for bit** (tolerance 0: the same initialisers run in the same
-order on plain full-size tensors, and each rank keeps its slice), its rotary buffers too. The fault this
+order on plain full-size tensors, and each rank keeps its slice), its rotary buffers too. Any wrong
+initialisation is far from that: a build from another seed differs by ~0.1 in every weight, and the
+duplicated-shard fault below changed half of every matrix. The fault this
 catches: DTensor random ops on CPU draw the same local values on every rank, so row blocks of every weight
 came out identical (``q_proj.weight`` rows 0-15 == rows 16-31 on 2 ranks), and the initial model depended on
 the layout. ``distinct_halves`` checks that symptom directly.

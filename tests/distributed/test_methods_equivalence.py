@@ -146,14 +146,21 @@ def _assert_methods_applied(res: dict):
 
 @pytest.mark.distributed
 def test_hsdp_and_4rank_methods_match_reference(ref, wrong):
+    # seed_by_rank: rank r builds from seed r; HSDP (broadcast over replicate x shard), zero1 (its ddp) and
+    # ddp must all start from rank 0's weights
     cfgs = [
-        dict(strategy=[("parallel_mode", {"dp_replicate": 2, "dp_shard": 2}), "fsdp"], micro_batch=2),
+        dict(strategy=[("parallel_mode", {"dp_replicate": 2, "dp_shard": 2}), "fsdp"], micro_batch=2,
+             seed_by_rank=True),
         dict(strategy=["fsdp"], micro_batch=1),  # ZeRO-3 over 4 ranks with accumulation 2
-        dict(strategy=["zero1"], micro_batch=2),
-        dict(strategy=[("ddp", {"comm_hook": "bf16"})], micro_batch=2),  # gloo bf16 hook: rank-order fp32 sum
+        dict(strategy=["zero1"], micro_batch=2, seed_by_rank=True),
+        dict(strategy=[("ddp", {"comm_hook": "bf16"})], micro_batch=2, seed_by_rank=True),  # rank-order fp32 sum
     ]
     outs = run_ranks(train_many, 4, [dict(steps=STEPS, global_batch=GB, **c) for c in cfgs], timeout=400)
     assert_wrong_runs_are_far(ref, wrong, PARAM_ATOL, LOSS_RTOL)
+    seed0 = {k: v.detach() for k, v in tiny_llama(seed=0).state_dict().items()}
+    for i in (0, 2, 3):
+        for r in range(4):
+            assert max_param_diff(outs[r][i]["init"], seed0) == 0, f"config {i} rank {r} did not start from rank 0"
     for i in range(3):
         _assert_close(outs[0][i], ref)
     for i in range(len(cfgs)):
