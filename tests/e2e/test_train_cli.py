@@ -27,8 +27,7 @@ def loom(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 
 
 def smoke(out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
-    return loom("train", "smoke", "--output-dir", str(out), "--set", f"data.cache_dir={cache}",
-                "--set", "log.progress=false", *extra)
+    return loom("train", "smoke", "--output-dir", str(out), "--set", f"data.cache_dir={cache}", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +73,11 @@ def test_smoke_run(full_run):
     assert summary["tokens_per_s"] > 0 and summary["sample"]
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     assert "held-out loss" in log and "sample:" in log and summary["sample"].splitlines()[0] in log
+    # the output is a pipe, not a terminal: plain progress lines (smoke: 20 steps -> one a step), no tqdm bars
+    # (text mode turns their "\r" redraws into newlines, so look for the bar itself: "45%|####  | 9/20 [...step/s]")
+    bars = [line for line in log.splitlines() if "%|" in line or "step/s" in line]
+    assert not bars, bars[:3]
+    assert "train step 1/20 (5%)" in log and "train step 20/20 (100%) | loss " in log
 
 
 def test_interrupted_run_resumes_exactly(tmp_path, full_run, cache):

@@ -122,12 +122,15 @@ class EvalConfig:
 
 @dataclass
 class LogConfig:
-    """interval: write a metrics record every N steps. progress: tqdm bar on rank 0. sample_ids: add the
+    """interval: write a metrics record every N steps. progress: rank 0's progress on stderr: a tqdm bar on
+    a terminal; when stderr is not a terminal (a log file, CI) a plain line every ``progress_every`` steps
+    (null = steps / 20, at least 1) instead of ``\r``-redrawn bars. sample_ids: add the
     global sample indices each rank consumed since the previous record to it (``sample_ids``, one list per
     rank; needs ``data.num_workers: 0``), so tests can check that no sample is skipped or repeated."""
 
     interval: int = 1
     progress: bool = True
+    progress_every: int | None = None
     sample_ids: bool = False
 
 
@@ -232,6 +235,8 @@ class TrainConfig:
         _positive("train", t, ("global_batch", "steps"))
         _positive("eval", self.eval, ("batch_size",))
         _positive("log", self.log, ("interval",))
+        if self.log.progress_every is not None and self.log.progress_every < 1:
+            raise ConfigError(f"log.progress_every={self.log.progress_every} must be >= 1 or null (steps / 20).")
         if m.vocab_size < 260:
             raise ConfigError(f"model.vocab_size={m.vocab_size} is too small: a byte-level BPE needs 256 byte "
                               "tokens plus merges; use at least 260 (e.g. 2048).")

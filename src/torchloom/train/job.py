@@ -325,9 +325,8 @@ class Job:
 
     # -- the loop -------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        from tqdm import tqdm
-
         from .metrics import MetricsWriter
+        from .progress import Progress
 
         cfg, res = self.cfg, self.res
         self.tokens_seen, self.train_time = 0, 0.0
@@ -383,8 +382,8 @@ class Job:
         step, micro, loss_acc = start, 0, 0.0
         run_tokens, run_time, mfus, peaks = 0, 0.0, [], [0] * self.world
         last_saved = start
-        self.pbar = tqdm(total=total, initial=start, disable=not (self.rank == 0 and cfg.log.progress),
-                         dynamic_ncols=True, desc="train", unit="step", file=sys.stderr)
+        self.pbar = Progress(total, start, enabled=self.rank == 0 and cfg.log.progress,
+                             every=cfg.log.progress_every, stream=sys.stderr)  # a bar only on a terminal
         self.mem.reset()
         if cfg.log.sample_ids:
             self.train_ds.take()  # drop fetches made during set-up
