@@ -248,7 +248,7 @@ def _probe_error(part, resolved, failures: dict[str, str], tp: int) -> str:
                      f"{', '.join(inner)} hold 1/{tp} of their output features per rank"
                      + (f"; torchloom divided {', '.join(adjusted)}" if adjusted else ""))
     return (
-        "tensor_parallel: the sharded model computes a different function: " + "; ".join(lines) + ". Typically the "
+        "tensor_parallel: the sharded model does not compute the unsharded model's function: " + "; ".join(lines) + ". Typically the "
         "module's code splits the projections' outputs with a full-size head count of its own (q.reshape(B, T, "
         "n_heads, -1) with the count in a closure, a tuple, a shared config object, or derived from the input "
         "width). torchloom divides int attributes named like a head count (n_heads, num_heads, n_head, "

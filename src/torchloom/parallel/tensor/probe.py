@@ -100,12 +100,23 @@ def probe_regions(part: nn.Module, targets: dict[str, str]) -> list[str]:
 
 def record(part: nn.Module, targets: dict[str, str], mesh: DeviceMesh) -> Probe:
     """Before sharding: tp rank 0 records every representative region's input and output; the tp group
-    receives them (collective over ``mesh``)."""
+    receives them (collective over ``mesh``).
+
+    Raises:
+        RuntimeError: on every tp rank, when recording failed on rank 0 (the other ranks would otherwise
+            wait for the broadcast forever).
+    """
     payload: list[Any] = [None]
     if mesh.get_local_rank() == 0:
-        payload[0] = _record_reference(part, targets, probe_regions(part, targets))
+        try:
+            payload[0] = _record_reference(part, targets, probe_regions(part, targets))
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            payload[0] = f"{type(e).__name__}: {e}"
     group = mesh.get_group()
     dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+    if isinstance(payload[0], str):
+        raise RuntimeError(f"tensor_parallel: recording the probe of the unsharded model failed on tp rank 0 "
+                           f"({payload[0]}); pass ('tensor_parallel', {{'verify': False}}) to skip the probe.")
     return payload[0]
 
 
