@@ -185,11 +185,11 @@ class TrainStep:
             try:
                 loss.backward()
             except RuntimeError as e:
-                if "find_unused_parameters" in str(e):
-                    raise RuntimeError(
-                        f"{e}\n[torchloom] some parameters received no gradient; with torchloom enable it in the "
-                        "strategy: ('ddp', {'find_unused_parameters': True})."
-                    ) from e
+                from .parallel.unused_params import explain_ddp_backward_error
+
+                hint = explain_ddp_backward_error(e)
+                if hint is not None:
+                    raise RuntimeError(f"{e}\n{hint}") from e
                 raise
         return report
 

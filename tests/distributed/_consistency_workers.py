@@ -43,7 +43,8 @@ LOSSES = {"head": head_loss, "both": both_loss}
 
 
 def branch_flag(rule: str, step: int, rank: int) -> bool:
-    return {"never": False, "even_steps": step % 2 == 0, "rank0": rank == 0, "always": True}[rule]
+    return {"never": False, "even_steps": step % 2 == 0, "odd_steps": step % 2 == 1, "rank0": rank == 0,
+            "always": True}[rule]
 
 
 def rank_batch(step: int, rank: int, rule: str) -> dict:

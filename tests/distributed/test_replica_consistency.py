@@ -35,6 +35,9 @@ UNUSED_2 = {
     "branch_some_steps": dict(strategy=["ddp"], steps=3, rule="even_steps", loss="both"),
     "branch_some_steps_static_graph": dict(strategy=[("ddp", {"static_graph": True})], steps=3, rule="even_steps",
                                            loss="both"),
+    # skipped at step 0, used at step 1: DDP's static graph raises inside backward (explained)
+    "branch_late_static_graph": dict(strategy=[("ddp", {"static_graph": True})], steps=3, rule="odd_steps",
+                                     loss="both"),
     "branch_some_steps_find_unused": dict(strategy=[("ddp", {"find_unused_parameters": True})], steps=3,
                                           rule="even_steps", loss="both"),
     # a branch taken on rank 0 only
@@ -139,6 +142,12 @@ def test_branch_used_on_some_steps():
             assert "branch.weight, branch.bias" in msg and advice in msg and "find_unused_parameters" in msg, msg
             _close(o["params"], after_one, what=case)
         _same_on_all_ranks(outs, case)
+    for r in outs:
+        o = outs[r][0]["branch_late_static_graph"]
+        assert o["steps"] == 1 and o["error"][0] == "RuntimeError", o["error"]
+        assert "graph has changed" in o["error"][1] and "[torchloom] static_graph: true needs" in o["error"][1]
+        _close(o["params"], reference_branch_net(1, 2, "odd_steps", "both"), what="late branch")
+    _same_on_all_ranks(outs, "branch_late_static_graph")
     o = outs[0][0]["branch_some_steps_find_unused"]
     assert o["error"] is None
     _close(o["params"], reference_branch_net(3, 2, "even_steps", "both"), what="find_unused")
