@@ -109,18 +109,30 @@ def _llama_run(strategy, steps: int, global_batch: int = 8, check_every: int | N
 
 def _perturb(res, name_part: str, rank: int) -> str:
     """Add 1e-3 to one element of the first parameter whose name contains ``name_part``, on ``rank`` only
-    (the local shard of a DTensor). Returns the parameter's clean name."""
+    (the local shard of a DTensor). Returns the parameter's clean name (None: not on this rank's stage)."""
     from torch.distributed.tensor import DTensor
 
     from torchloom.parallel.unused_params import clean_name
 
-    module = getattr(res.model, "parts", None) or [res.model]
-    name, p = next((n, p) for n, p in module[0].named_parameters() if name_part in n)
+    found = next(((n, p) for n, p in res.model.named_parameters() if name_part in n), None)
+    if found is None:  # another pipeline stage holds it
+        return None
+    name, p = found
     if dist.get_rank() == rank:
         with torch.no_grad():
             local = p.to_local() if isinstance(p, DTensor) else p
             local.view(-1)[0] += 1e-3
     return clean_name(name)
+
+
+def _params(res) -> dict[str, torch.Tensor]:
+    """Full parameters by plain name: all of them, or this rank's pipeline stages' under pipelining."""
+    from torchloom.parallel.unused_params import clean_name
+
+    if getattr(res.model, "parts", None) is None:
+        return full_params(res.model)
+    return {clean_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
+            for n, p in res.model.named_parameters()}
 
 
 def replica_check_cases(cases: list[dict]) -> list[dict]:
@@ -131,7 +143,7 @@ def replica_check_cases(cases: list[dict]) -> list[dict]:
         res = _llama_run(c["strategy"], steps=3)
         clean = res.check_replicas(raise_error=True)  # raises on a false positive
         item = {"compared": clean.compared, "monitor_checks": res.replica_monitor.checks,
-                "notes": res.notes, "params": full_params(res.model)}
+                "notes": res.notes, "params": _params(res)}
         if c.get("perturb") is not None:
             name = _perturb(res, c["perturb"], c["perturb_rank"])
             report = res.check_replicas(raise_error=False)

@@ -59,6 +59,8 @@ REPLICA_4 = {
     "tp_dp_replicate": dict(strategy=[("parallel_mode", {"tp": 2}), "tensor_parallel"],
                             perturb="layers.0.self_attn.o_proj", perturb_rank=3),
     "ddp4": dict(strategy=["ddp"], perturb="embed_tokens", perturb_rank=2),
+    # 2 stages x dp 2: stage 0 is ranks 0, 1; stage 1 (ranks 2, 3) does not hold embed_tokens
+    "pp_dp": dict(strategy=[("pipeline_parallel", {"size": 2})], perturb="embed_tokens", perturb_rank=1),
 }
 
 UNUSED_4 = {
@@ -179,7 +181,12 @@ def test_replica_check_passes_correct_runs_and_names_a_perturbed_parameter(world
         o = outs[0][1][case]
         # correct run: the monitor ran after steps 1, 2, 3 without a false positive, and training is exact
         assert o["monitor_checks"] == 3, (case, o)
-        _close(o["params"], ref, atol=2e-5, what=case)
+        merged = {}  # every rank's (stage's) parameters; replicas must agree bitwise
+        for r in outs:
+            for k, v in outs[r][1][case]["params"].items():
+                assert k not in merged or torch.equal(merged[k], v), f"{case}: {k} differs on rank {r}"
+                merged[k] = v
+        _close(merged, ref, atol=2e-5, what=case)
         if case == "fsdp_no_replicas":
             assert o["compared"] == 0  # every rank holds a different shard: nothing to compare
             continue

@@ -135,6 +135,8 @@ def check_replicas(modules: Iterable[nn.Module], mesh: ParallelMesh, device: tor
             one in model order, the ranks that differ and the reference rank; or the replicas hold
             different parameter lists.
     """
+    if not dist.is_initialized():
+        return ReplicaReport(ok=True, compared=0)
     modules = list(modules)
     groups = replica_groups(modules, mesh)
     diverged: list[tuple[str, list[int], int]] = []
@@ -147,13 +149,13 @@ def check_replicas(modules: Iterable[nn.Module], mesh: ParallelMesh, device: tor
         ranks = dist.get_process_group_ranks(pg)
         header = torch.tensor([len(items), zlib.crc32("\n".join(n for n, _ in items).encode())],
                               dtype=torch.int64, device=dev)
-        headers = _all_gather(header, pg)
+        headers = [h.cpu() for h in _all_gather(header, pg)]
         if any(not torch.equal(h, headers[0]) for h in headers):
             problems.append(f"the {key} replicas (ranks {ranks}) hold different parameter lists "
                             f"(counts {[int(h[0]) for h in headers]}); they were built from different models")
             continue
         local = torch.stack([fingerprint(t).to(dev) for _, t in items])
-        rows = _all_gather(local, pg)
+        rows = [r.cpu() for r in _all_gather(local, pg)]  # compared on the host: no sync per parameter
         for j, (name, _) in enumerate(items):
             ref = rows[0][j]
             bad = [ranks[r] for r in range(1, len(rows)) if not torch.equal(rows[r][j], ref)]
