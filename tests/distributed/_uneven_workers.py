@@ -197,6 +197,7 @@ def train_iterable(lengths: list[int], micro: int, accum: int, uneven: str = "dr
         except Exception as e:  # noqa: BLE001 - the test checks that every rank raises the same error
             error = f"{type(e).__name__}: {e}"
     model = res.model.module if hasattr(res.model, "module") else res.model
-    return {"batches": batches, "micro_steps": res.train_step.micro_step, "warnings": [str(w.message) for w in caught if "unevenly" in str(w.message)],
+    uneven_warnings = [str(w.message) for w in caught if "unevenly" in str(w.message)]
+    return {"batches": batches, "micro_steps": res.train_step.micro_step, "warnings": uneven_warnings,
             "error": error, "state": loader.state_dict(),
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}

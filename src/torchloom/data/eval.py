@@ -28,6 +28,8 @@ from torchloom.data.sampler import DataError, _positive_int
 
 __all__ = ["EvalLoader", "eval_loader", "reduce_metrics", "split_counts"]
 
+_OWNED = ("sampler", "batch_sampler", "batch_size", "shuffle", "drop_last")
+
 
 def split_counts(num_samples: int, batch_size: int, dp_size: int) -> list[list[int]]:
     """Real samples per rank of every evaluation step: ``counts[step][rank]``.
@@ -36,8 +38,13 @@ def split_counts(num_samples: int, batch_size: int, dp_size: int) -> list[list[i
     are split ``m // dp_size`` each, one more for the first ``m % dp_size`` ranks. Rank ``r`` of step ``k``
     reads the contiguous dataset positions ``k*dp_size*batch_size + sum(counts[k][:r])`` onwards, so the
     ranks' rows of a step concatenated in rank order, step after step, are the dataset in order.
+
+    Raises:
+        DataError: a negative ``num_samples`` or a non-positive ``batch_size``/``dp_size``.
     """
-    step = dp_size * batch_size
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
+        raise DataError(f"num_samples must be a non-negative int, got {num_samples!r}.")
+    step = _positive_int("dp_size", dp_size) * _positive_int("batch_size", batch_size)
     out = [[batch_size] * dp_size for _ in range(num_samples // step)]
     rest = num_samples % step
     if rest:
@@ -109,14 +116,17 @@ class EvalLoader:
     def __init__(self, dataset: Dataset, batch_size: int, *, dp_rank: int, dp_size: int,
                  group: dist.ProcessGroup | None = None, pad_to_multiple_of: int = 1,
                  collate_fn: Callable[[list[Any]], Any] | None = None, **dataloader_kwargs: Any) -> None:
-        owned = [k for k in ("sampler", "batch_sampler", "batch_size", "shuffle", "drop_last") if k in dataloader_kwargs]
+        owned = [k for k in _OWNED if k in dataloader_kwargs]
         if owned:
             raise DataError(f"{owned} are not accepted by eval_loader: it owns the order and the batching (every "
                             "sample exactly once, no shuffling, no dropping).")
         self.dataset, self.group = dataset, group
         self.batch_size = _positive_int("batch_size", batch_size)
         self.multiple = _positive_int("pad_to_multiple_of", pad_to_multiple_of)
-        self.dp_rank, self.dp_size = dp_rank, _positive_int("dp_size", dp_size)
+        self.dp_size = _positive_int("dp_size", dp_size)
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+            raise DataError(f"dp_rank must be an int in [0, {dp_size}), got {dp_rank!r}.")
+        self.dp_rank = dp_rank
         self.collate_fn = collate_fn or default_collate
         self.iterable = isinstance(dataset, IterableDataset)
         self.num_valid, self.rows, self.step = 0, 0, -1
