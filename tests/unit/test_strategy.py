@@ -354,3 +354,15 @@ def test_unreadable_files_name_the_file(tmp_path):
 def test_strategy_constructor_takes_only_lists(value):
     with pytest.raises(StrategyError, match=r"Strategy\(methods\) takes a list of methods.*Strategy\.parse"):
         Strategy(value)
+
+
+def test_a_registered_name_with_a_dot_is_still_a_method():
+    @register_method
+    class Dotted(Method):
+        name = "my.method"
+        stage = Stage.COMPILE
+
+    try:
+        assert Strategy.parse("my.method").names == ["my.method"]
+    finally:
+        unregister_method("my.method")

@@ -251,8 +251,13 @@ class Strategy:
 
 
 def _is_path_like(s: str) -> bool:
-    """Method names are identifiers; a string with a suffix or a directory part names a file."""
-    return s.lower().endswith(FILE_SUFFIXES) or any(c in s for c in "./\\")
+    """A string with a .json/.yaml/.yml suffix, or with '.', '/' or '\\' that is not a registered method
+    name or alias (the built-in names are identifiers), names a file."""
+    from .registry import _ALIASES, _REGISTRY
+
+    if s.lower().endswith(FILE_SUFFIXES):
+        return True
+    return s not in _REGISTRY and s not in _ALIASES and any(c in s for c in "./\\")
 
 
 def _short_repr(v: Any, limit: int = 60) -> str:
