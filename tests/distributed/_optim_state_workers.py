@@ -36,7 +36,7 @@ def _two_groups(params, lr):
                                                 "betas": (0.8, 0.9)}], lr=lr, weight_decay=0.01)
 
 
-def build(strategy, seed: int, lr: float, groups: bool):
+def build(strategy, seed: int, lr: float, groups: bool, micro: int = 2):
     import torchloom
     from tests.distributed._train_workers import lm_loss
 
@@ -44,7 +44,7 @@ def build(strategy, seed: int, lr: float, groups: bool):
     optim = (lambda params, lr: _two_groups(params, lr)) if groups else torch.optim.AdamW
     return torchloom.auto_accelerate(
         tiny_llama(seed), optim, None, lm_loss, strategy=strategy, optim_args={"lr": lr},
-        dataloader_args={"batch_size": 4, "micro_batch_size": 2}, model_input_format="unpack_dict")
+        dataloader_args={"batch_size": 4, "micro_batch_size": micro}, model_input_format="unpack_dict")
 
 
 def _params(res, suffix: str):
@@ -66,8 +66,9 @@ def train(res, steps: range) -> None:
     dp, r = res.mesh.dp_size, res.mesh.dp_rank
     for s in steps:
         x = xs[(s - 1) * 4:s * 4][r * (4 // dp):(r + 1) * (4 // dp)]
+        m = res.micro_batch_size
         for k in range(res.grad_accum_steps):
-            mb = x[k * 2:(k + 1) * 2]
+            mb = x[k * m:(k + 1) * m]
             res.train_step({"input_ids": mb, "labels": mb})
 
 
@@ -132,14 +133,14 @@ def diff(a, b, where: str = "") -> list[str]:
     return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
 
 
-def case(tmp: str, strategy, groups: bool, flash: bool) -> dict:
+def case(tmp: str, strategy, groups: bool, flash: bool, micro: int = 2) -> dict:
     """One strategy: the uninterrupted run, and resumes from its checkpoint (disk, and with ``flash`` also
     from a flash snapshot in memory). Returns lists of differences (empty = pass) and the load errors."""
     from torchloom import checkpoint
 
     root = Path(tmp) / "ckpt"
     out: dict = {"errors": []}
-    res = build(strategy, seed=0, lr=1e-2, groups=groups)
+    res = build(strategy, seed=0, lr=1e-2, groups=groups, micro=micro)
     set_trainable(res, norms=False, down_proj=True)
     train(res, range(1, 2))
     set_trainable(res, norms=False, down_proj=False)
@@ -161,7 +162,7 @@ def case(tmp: str, strategy, groups: bool, flash: bool) -> dict:
         fc.finalize(unlink=False)
 
     def resumed(tag: str, frozen_at_load: bool, load) -> None:
-        new = build(strategy, seed=7, lr=0.5, groups=groups)
+        new = build(strategy, seed=7, lr=0.5, groups=groups, micro=micro)
         if frozen_at_load:  # the user rebuilds the freezing of the saving run, then loads
             set_trainable(new, norms=False, down_proj=False)
         try:
@@ -197,9 +198,9 @@ def case(tmp: str, strategy, groups: bool, flash: bool) -> dict:
 
 def cases(tmp: str, specs: list) -> dict:
     """Several :func:`case` runs in one launch (a launch costs seconds): ``specs`` = [(name, strategy,
-    groups, flash)]."""
+    groups, flash[, micro batch])]."""
     out = {}
-    for name, strategy, groups, flash in specs:
-        out[name] = case(str(Path(tmp) / name), strategy, groups, flash)
+    for name, strategy, groups, flash, *micro in specs:
+        out[name] = case(str(Path(tmp) / name), strategy, groups, flash, *micro)
         dist.barrier()
     return out

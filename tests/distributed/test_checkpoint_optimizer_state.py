@@ -24,7 +24,7 @@ TWO_RANKS = [
     ("pp", [("pipeline_parallel", {"size": 2})], True, False),
 ]
 FOUR_RANKS = [
-    ("hsdp", [("parallel_mode", {"dp_replicate": 2, "dp_shard": 2}), "fsdp"], True, False),
+    ("hsdp", [("parallel_mode", {"dp_replicate": 2, "dp_shard": 2}), "fsdp"], True, False, 1),
     ("fsdp_tp", [("parallel_mode", {"dp_shard": 2, "tp": 2}), "tensor_parallel", "fsdp"], True, False),
 ]
 

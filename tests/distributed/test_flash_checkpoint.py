@@ -66,12 +66,12 @@ def test_torn_snapshot_is_not_a_snapshot(tmp_path):
 
     s = Slot(tmp_path, 0)
     t = torch.arange(10, dtype=torch.float32)
-    s.write([("a", t, None)], {"step": 5}, {"x": torch.zeros(1)})
+    s.write([("a", t, None)], {"step": 5}, b"rng file bytes")
     assert complete_steps(tmp_path) == {5: 0}
     assert torch.equal(s.read_tensors(s.header())["a"], t)
     s.data_path.write_bytes(b"\0" * 8)  # truncated data: not a snapshot
     assert s.header() is None and complete_steps(tmp_path) == {}
-    s.write([("a", t, None)], {"step": 6}, {"x": torch.zeros(1)})
+    s.write([("a", t, None)], {"step": 6}, b"rng file bytes")
     s.header_path.unlink()  # a copy interrupted before its header was written
     assert complete_steps(tmp_path) == {}
 

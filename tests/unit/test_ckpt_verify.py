@@ -1,6 +1,8 @@
 """`loom ckpt verify` and `torchloom.checkpoint.check` (single process, tiny model)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -35,7 +37,12 @@ def test_check_names_the_corrupt_file(root):
     p = root / "step_00000003"
     assert check(p).step == 3
     ts = p / "trainer_state.json"
-    ts.write_bytes(b"X" + ts.read_bytes()[1:])  # same size: only parsing finds it
+    ts.write_bytes(b"X" + ts.read_bytes()[1:])  # same size: the checksum finds it
+    with pytest.raises(CheckpointError, match=r"step_00000003/trainer_state\.json does not match its checksum"):
+        check(p)
+    raw = json.loads((p / "COMPLETE").read_text())
+    del raw["checksums"]  # a marker of an older torchloom: only parsing finds it
+    (p / "COMPLETE").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=r"step_00000003/trainer_state\.json is corrupt"):
         check(p)
 
@@ -56,7 +63,7 @@ def test_verify_root_lists_every_checkpoint_and_the_resume_choice(root, tmp_path
         assert out.exit_code == 0, out.output
         lines = out.output.splitlines()
         assert lines[0].startswith("ok      step_00000001") and lines[1].startswith("ok      step_00000002")
-        assert lines[2].startswith("FAILED  step_00000003:") and ".metadata is corrupt" in lines[2]
+        assert lines[2].startswith("FAILED  step_00000003:") and ".metadata does not match its checksum" in lines[2]
         assert lines[3] == f"a resume from {root} loads {root / 'step_00000002'}"
 
 

@@ -448,7 +448,8 @@ class FlashCheckpointer:
 
         live = self._live()
         doc = ts.parse_document(header["trainer_state_text"], where)
-        ts.restore_tensors(live, catalogue, fill, strict=strict, where=f"flash snapshot {where}", document=doc)
+        ts.restore_tensors(live, catalogue, fill, strict=strict, where=f"flash snapshot {where}", document=doc,
+                           per_rank=True)
         info = ts.restore_document(live, doc, strict=strict, where=f"flash snapshot {where}")
         ts.restore_rng_file(slot.rng_path)
         if self.world > 1:

@@ -128,8 +128,8 @@ def catalogue_from_metadata(md: Any) -> dict[str, tuple[tuple, bool]]:
     return out
 
 
-def _check_model_keys(live: Live, want: set[str], have: set[str], where: str) -> None:
-    if dist.is_available() and dist.is_initialized() and _holds_part_of_model(live.model):
+def _check_model_keys(live: Live, want: set[str], have: set[str], where: str, *, per_rank: bool) -> None:
+    if not per_rank and dist.is_available() and dist.is_initialized() and _holds_part_of_model(live.model):
         everyone: list[Any] = [None] * dist.get_world_size()  # pipeline stages: the job's keys are the union
         dist.all_gather_object(everyone, sorted(want))
         want = set().union(*map(set, everyone))
@@ -145,7 +145,7 @@ def _check_model_keys(live: Live, want: set[str], have: set[str], where: str) ->
 def restore_tensors(live: Live, catalogue: dict[str, tuple[tuple, bool]],
                     fill: Callable[[dict[str, Any]], None], *, strict: bool, where: str,
                     document: dict | None = None,
-                    read_full_optimizer: Callable[[], dict] | None = None) -> None:
+                    read_full_optimizer: Callable[[], dict] | None = None, per_rank: bool = False) -> None:
     """Restore model and optimizer from a saved state. Collective (DTensor loads, pipeline key checks).
 
     Args:
@@ -155,6 +155,8 @@ def restore_tensors(live: Live, catalogue: dict[str, tuple[tuple, bool]],
             copied into the given ones, non-tensor values assigned).
         document: the trainer-state document (old checkpoints mark an optimizer saved without state).
         read_full_optimizer: returns the whole unsharded ``optim`` entry (needed for ZeRO).
+        per_rank: the saved state is this rank's own (a flash snapshot), not the whole job's: a pipeline
+            stage's model keys are checked against it alone.
 
     Raises:
         CheckpointError: a mismatch under ``strict`` (naming the keys), or the checkpoint has no optimizer
@@ -183,7 +185,7 @@ def restore_tensors(live: Live, catalogue: dict[str, tuple[tuple, bool]],
 
     msd = get_model_state_dict(live.model)
     if strict:
-        _check_model_keys(live, set(msd), set(model_keys), where)
+        _check_model_keys(live, set(msd), set(model_keys), where, per_rank=per_rank)
     flat_target: dict[str, Any] = {model_keys[k]: v for k, v in msd.items() if k in model_keys}
     ties = [[n for n in g if n in msd and n in model_keys] for g in tied_groups(live.model)]
     for group in ties:  # aliases get their own buffer, so two different saved values are seen, not merged
