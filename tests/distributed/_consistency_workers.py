@@ -65,11 +65,25 @@ def reference_branch_net(steps: int, world: int, rule: str, loss: str) -> dict[s
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train_branch_net(strategy, steps: int, rule: str, loss: str, plain_loop: bool = False) -> dict:
+def train_branch_net(strategy, steps: int, rule: str, loss: str, plain_loop: bool = False,
+                     older_torch_fsdp: bool = False) -> dict:
     """Train BranchNet; stop at the first error. Returns the error, the optimizer steps taken and the full
-    parameters (gathered under FSDP) on every rank."""
-    res = torchloom.auto_accelerate(BranchNet(), torch.optim.SGD, None, LOSSES[loss], strategy=strategy,
-                                    optim_args={"lr": LR})
+    parameters (gathered under FSDP) on every rank. ``older_torch_fsdp``: build as on a torch without
+    ``FSDPModule.set_reduce_scatter_unused_params`` (torchloom's post-backward fill is used instead)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    hidden = FSDPModule.__dict__.get("set_reduce_scatter_unused_params") if older_torch_fsdp else None
+    if hidden is not None:
+        delattr(FSDPModule, "set_reduce_scatter_unused_params")
+    try:
+        res = torchloom.auto_accelerate(BranchNet(), torch.optim.SGD, None, LOSSES[loss], strategy=strategy,
+                                        optim_args={"lr": LR})
+    finally:
+        if hidden is not None:
+            FSDPModule.set_reduce_scatter_unused_params = hidden
+    if older_torch_fsdp:  # the fallback really is what runs
+        assert all(getattr(g, "_torchloom_zero_fill", False) for m in res.model.modules()
+                   if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups)
     rank, done, error = dist.get_rank(), 0, None
     try:
         for s in range(steps):

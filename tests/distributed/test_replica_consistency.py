@@ -45,6 +45,8 @@ UNUSED_2 = {
                                      loss="both"),
     "branch_rank0_zero3": dict(strategy=["fsdp"], steps=3, rule="rank0", loss="both"),
     "branch_rank0_zero2": dict(strategy=["zero2"], steps=3, rule="rank0", loss="both"),
+    "branch_rank0_zero3_older_torch": dict(strategy=["fsdp"], steps=3, rule="rank0", loss="both",
+                                           older_torch_fsdp=True),
 }
 
 REPLICA_2 = {
@@ -163,7 +165,8 @@ def test_branch_taken_on_one_rank_only(world):
     ref = reference_branch_net(3, world, "rank0", "both")
     wrong = reference_branch_net(3, world, "always", "both")  # rank 0's branch gradient counted for all
     assert _far(ref, wrong) > 1e-3
-    cases = ["branch_rank0_zero3"] + (["branch_rank0_find_unused", "branch_rank0_zero2"] if world == 2 else [])
+    cases = ["branch_rank0_zero3"] + (["branch_rank0_find_unused", "branch_rank0_zero2",
+                                       "branch_rank0_zero3_older_torch"] if world == 2 else [])
     for case in cases:
         o = outs[0][0][case]
         assert o["error"] is None and o["steps"] == 3, (case, o["error"])
