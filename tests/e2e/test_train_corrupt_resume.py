@@ -39,12 +39,13 @@ def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(tmp_path):
     ts.write_bytes(b"#" + ts.read_bytes()[1:])
     check = loom("ckpt", "verify", str(out))
     assert check.returncode == 0, check.stdout
-    assert f"FAILED  step_00000015: checkpoint file {ts} is corrupt" in check.stdout
+    assert (f"FAILED  step_00000015: checkpoint {ckpts / 'step_00000015'} is corrupt: file {ts} does not match "
+            f"its checksum") in check.stdout
     assert f"a resume from {ckpts} loads {ckpts / 'step_00000010'}" in check.stdout
 
     second = loom(*args)
     assert second.returncode == 0, second.stdout[-4000:]
-    assert "skipped 1 unusable checkpoint(s) (step_00000015: checkpoint file" in second.stdout
+    assert f"skipped 1 unusable checkpoint(s) (step_00000015: checkpoint file {ts} is corrupt" in second.stdout
     assert "resumed from step 10" in second.stdout
     train = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in train if r["type"] == "train"] == list(range(1, 21))
