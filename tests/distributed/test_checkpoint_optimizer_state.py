@@ -36,7 +36,7 @@ def _check(results):
         for name, r in out.items():
             assert not r["errors"], f"{name} rank {rank}: {r['errors']}"
             assert r["norms_without_state"], f"{name}: the scenario needs norm weights without state"
-            for key in [k for k in r if k.endswith(("_state", "_final"))]:
+            for key in [k for k in r if k.startswith(("disk_", "memory_"))]:
                 assert r[key] == [], f"{name} rank {rank} {key}: {r[key][:6]}"
 
 
