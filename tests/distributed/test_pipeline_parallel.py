@@ -98,11 +98,13 @@ def _save_plain_gpt2(path):
 
 
 def _check_checkpoint_runs(outs, plain):
-    """``W.pp_checkpoint`` results: the plain checkpoint's model loads exactly, and so does its
-    per-group-index optimizer state (groups are matched by parameter names); after the pipelined save -> load, parameters and momentum are
+    """``W.pp_checkpoint`` results: the plain checkpoint's model loads exactly; its optimizer is refused on
+    every rank with a clear error (the last stage's untied ``lm_head.weight`` has its state under the tied
+    ``transformer.wte.weight`` in the plain checkpoint); after the pipelined save -> load, parameters and momentum are
     bit-identical and training continues identically (same losses, same final parameters)."""
     for o in outs:
-        assert o["plain_error"] is None, o["plain_error"]
+        assert "no parameter group for ['lm_head.weight']" in o["plain_error"], o["plain_error"]
+        assert "optimizer=None" in o["plain_error"]
         for k, v in o["from_plain"].items():
             assert torch.equal(v, plain.state_dict()[k]), k
     for o in outs:

@@ -247,6 +247,11 @@ def decode(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], fill
         o.load_state_dict(sd)
 
 
+_HINT = (" (strict=True). A weight tied to another one in the saving model (e.g. an output head that pipeline "
+         "stages untie from the embedding) has its state under that other name. Pass strict=False to keep "
+         "these parameters' live settings without state, or optimizer=None to load the model only")
+
+
 def _saved_group(members: list[str], groups: dict[int, dict], member_of: dict[str, int],
                  flat_groups: dict[str, dict], *, strict: bool, where: str) -> dict | None:
     if not members:
@@ -257,7 +262,7 @@ def _saved_group(members: list[str], groups: dict[int, dict], member_of: dict[st
             if strict:
                 missing = [m for m, f in zip(members, found) if f is None]
                 raise CheckpointError(f"{where}: the checkpoint's optimizer has no parameter group for "
-                                      f"{missing[:3]} (strict=True; strict=False keeps the live settings)")
+                                      f"{missing[:3]}{_HINT}")
             return next((f for f in found if f is not None), None)
         return found[0]
     ids = {member_of.get(m) for m in members}
@@ -265,7 +270,7 @@ def _saved_group(members: list[str], groups: dict[int, dict], member_of: dict[st
         if strict:
             missing = [m for m in members if m not in member_of]
             raise CheckpointError(f"{where}: the checkpoint's optimizer has no parameter group for "
-                                  f"{missing[:3]} (strict=True; strict=False keeps the live settings)")
+                                  f"{missing[:3]}{_HINT}")
         ids.discard(None)
     if len(ids) > 1 and strict:
         raise CheckpointError(f"{where}: the parameters of one live optimizer group ({members[:3]}...) were in "

@@ -184,26 +184,38 @@ def restore_tensors(live: Live, catalogue: dict[str, tuple[tuple, bool]],
                               f"which a ZeRO optimizer cannot load; load the model only (optimizer=None)")
 
     msd = get_model_state_dict(live.model)
-    if strict:
+    if strict:  # collective for pipeline stages; the same verdict on every rank
         _check_model_keys(live, set(msd), set(model_keys), where, per_rank=per_rank)
-    flat_target: dict[str, Any] = {model_keys[k]: v for k, v in msd.items() if k in model_keys}
     ties = [[n for n in g if n in msd and n in model_keys] for g in tied_groups(live.model)]
-    for group in ties:  # aliases get their own buffer, so two different saved values are seen, not merged
-        for alias in group[1:]:
-            flat_target[model_keys[alias]] = torch.empty_like(msd[alias])
-    if opts and optim_cat and zero is None:
-        flat_target.update(optimizer_state.target(live.model, opts, optim_cat, where=where))
+
+    # Local phases run through run_everywhere: an error on some ranks (e.g. one pipeline stage's optimizer
+    # does not match) is raised on every rank instead of leaving the others waiting in the next collective.
+    def _target() -> dict[str, Any]:
+        out: dict[str, Any] = {model_keys[k]: v for k, v in msd.items() if k in model_keys}
+        for group in ties:  # aliases get their own buffer, so two different saved values are seen, not merged
+            for alias in group[1:]:
+                out[model_keys[alias]] = torch.empty_like(msd[alias])
+        if opts and optim_cat and zero is None:
+            out.update(optimizer_state.target(live.model, opts, optim_cat, where=where))
+        return out
+
+    flat_target = run_everywhere(_target, f"preparing to load {where}")
     fill(flat_target)
     loaded = {k: flat_target[key] for k, key in model_keys.items() if key in flat_target}
-    for group in ties:
-        check_tied_values(loaded, group, f"checkpoint {where}")
-    set_model_state_dict(live.model, {k: loaded[k] for k in msd if k in loaded},
-                         options=StateDictOptions(strict=strict))
-    if zero is not None and optim_cat and read_full_optimizer is not None:
-        zero.load_state_dict(_zero_state_from_fqn(live.model, zero, read_full_optimizer()))
-    elif opts and optim_cat:
-        optimizer_state.decode(live.model, opts, {k: v for k, v in flat_target.items() if k in optim_cat},
-                               optim_cat, strict=strict, where=where)
+    run_everywhere(lambda: [check_tied_values(loaded, g, f"checkpoint {where}") for g in ties],
+                   f"checking the tied parameters of {where}")
+    full_optim = read_full_optimizer() if zero is not None and optim_cat and read_full_optimizer is not None else None
+
+    def _set() -> None:
+        set_model_state_dict(live.model, {k: loaded[k] for k in msd if k in loaded},
+                             options=StateDictOptions(strict=strict))
+        if full_optim is not None:
+            zero.load_state_dict(_zero_state_from_fqn(live.model, zero, full_optim))
+        elif opts and optim_cat and zero is None:
+            optimizer_state.decode(live.model, opts, {k: v for k, v in flat_target.items() if k in optim_cat},
+                                   optim_cat, strict=strict, where=where)
+
+    run_everywhere(_set, f"loading {where} into the model and optimizer")
 
 
 def check_tied_values(sd: dict[str, Any], names: list[str], where: str) -> None:
