@@ -174,6 +174,13 @@ def target(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
     kinds = {k: classify(path, known) for k, (path, _t) in catalogue.items()}
     with_state = sorted({c[1] for c in kinds.values() if c is not None and c[0] == "state" and c[1] in by_name})
     prime(optimizers, [by_name[n][1] for n in with_state])
+    # the live values through state_dict(), so its post-hooks run (tensor parallel attaches the DCP layout
+    # of multi-block shards, e.g. fused q/k/v, to the tensors there); the tensors are the live ones
+    live_state: dict[int, dict] = {}
+    for o in optimizers:
+        params = [p for g in o.param_groups for p in g[PARAMS]]
+        for idx, st in o.state_dict()[STATE].items():
+            live_state[id(params[idx])] = st
     out: dict[str, Any] = {}
     for key, (path, is_tensor) in catalogue.items():
         c = kinds[key]
@@ -189,7 +196,7 @@ def target(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
             out[key] = None
             continue
         o, p = by_name[ref]
-        value: Any = o.state.get(p, {})
+        value: Any = live_state.get(id(p), {})
         for k in rest:
             value = value.get(k) if isinstance(value, dict) else None
         if is_tensor:
