@@ -139,7 +139,8 @@ def auto_accelerate(
             method uses.
         DataError: batch sizes that do not divide (global batch vs dp size x micro batch), bad
             ``dataloader_args``.
-        ValueError: a bad ``model_input_format``, no ``optim_func``, or no trainable parameters.
+        ValueError: a bad ``model_input_format``, no ``optim_func``, no trainable parameters, or a
+            ``check_replicas_every`` that is not a positive int.
         TypeError: ``model`` is not an ``nn.Module``; ``optim_func`` rejects ``optim_args``.
         NotImplementedError: ``zero1`` with several parameter groups.
         RuntimeError: a meta-device model that cannot be fully initialised.
