@@ -6,7 +6,8 @@
         loss = res.train_step(batch)
 """
 from .api import AccelerateResult, auto_accelerate
-from .errors import CheckpointError, LossScaleError, StrategyError, TorchloomError
+from .errors import (CheckpointError, GradientSyncError, LossScaleError, ReplicaDivergenceError, StrategyError,
+                     TorchloomError)
 from .parallel.mesh import ParallelDims, ParallelMesh
 from .replace import register_module_replacement
 from .strategy import Method, Stage, Strategy, register_method
@@ -18,5 +19,5 @@ __version__ = "0.1.0"
 __all__ = [
     "auto_accelerate", "AccelerateResult", "Strategy", "Method", "Stage", "register_method", "ParallelDims",
     "ParallelMesh", "replicate", "split", "register_module_replacement", "SumLoss", "TrainStep", "TorchloomError",
-    "StrategyError", "CheckpointError", "LossScaleError",
+    "StrategyError", "CheckpointError", "LossScaleError", "GradientSyncError", "ReplicaDivergenceError",
 ]
