@@ -6,7 +6,12 @@ replace) and the job resumes from it after a restart. With --hang-rank R --hang-
 forever inside ``stuck_in_step`` at step S (on restart attempt --hang-attempt only, default 0) while the
 other ranks enter the step's all-reduce: the watchdog must end every rank with exit code 124.
 
+--hung-rank-timeout gives the hanging rank a longer watchdog timeout than the others (default: the same), so
+that in a test without torchrun the ranks waiting in the collective fire first: if the hung rank fired
+first, its exit would break their all-reduce (exit 1 instead of 124) — a race that depends on machine load.
+
 Usage: _hang_job.py OUT [--steps N] [--hang-rank R] [--hang-step S] [--hang-attempt A] [--timeout T]
+                        [--hung-rank-timeout T2]
 """
 import argparse
 import json
@@ -33,6 +38,7 @@ def main():
     p.add_argument("--hang-step", type=int, default=3)
     p.add_argument("--hang-attempt", type=int, default=0)
     p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--hung-rank-timeout", type=float, default=None)
     a = p.parse_args()
     out = Path(a.out)
     watchdog.enable_flight_recorder()
@@ -43,7 +49,8 @@ def main():
     state = [json.loads(progress.read_text()) if rank == 0 and progress.exists() else {"step": 0, "value": 0.0}]
     dist.broadcast_object_list(state, src=0)
     step, value = state[0]["step"], state[0]["value"]
-    wd = watchdog.Watchdog(a.timeout, a.timeout * 4, dump_dir=out / f"attempt{attempt}").start()
+    timeout = a.hung_rank_timeout if rank == a.hang_rank and a.hung_rank_timeout else a.timeout
+    wd = watchdog.Watchdog(timeout, timeout * 4, dump_dir=out / f"attempt{attempt}").start()
     while step < a.steps:
         step += 1
         if rank == a.hang_rank and step == a.hang_step and attempt == a.hang_attempt:

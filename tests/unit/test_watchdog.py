@@ -80,7 +80,7 @@ def test_hung_rank_exits_124_with_stuck_frame_and_last_collective(tmp_path):
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env.pop("TORCHELASTIC_RESTART_COUNT", None)
         procs.append(subprocess.Popen([sys.executable, str(HANG_JOB), str(tmp_path), "--hang-rank", "1",
-                                       "--hang-step", "3", "--timeout", "2"], cwd=REPO, env=env, text=True,
+                                       "--hang-step", "3", "--timeout", "2", "--hung-rank-timeout", "6"], cwd=REPO, env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outs = []
     try:
