@@ -71,7 +71,8 @@ def test_bad_timeouts_are_rejected():
 
 def test_hung_rank_exits_124_with_stuck_frame_and_last_collective(tmp_path):
     """Two real gloo processes: rank 1 blocks in ``stuck_in_step`` at step 3 while rank 0 waits in that
-    step's all_reduce. Both watchdogs fire: exit code 124, and the dumps name the stuck frame (rank 1) and
+    step's all_reduce. Both watchdogs fire (rank 0 first: the hung rank has a longer timeout, so its exit
+    cannot break rank 0's all_reduce first, a load-dependent race): exit code 124, and the dumps name the stuck frame (rank 1) and
     the all_reduce rank 0 is stuck in (its stack and the flight recorder's last collective)."""
     port = free_port()
     procs = []
