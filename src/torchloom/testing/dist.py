@@ -12,6 +12,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -53,6 +54,24 @@ def _worker(fn, rank, world_size, port, outdir, args, kwargs, env):
     clean_exit(code)
 
 
+FAILURE_GRACE_S = 120.0  # after one rank fails, how long the others get to finish (they may be stuck in a collective)
+
+
+def _wait_all(procs: list, timeout: float) -> None:
+    """Wait until every process has exited, ``timeout`` seconds in all (one deadline, not one per process), or
+    until ``FAILURE_GRACE_S`` after the first rank exited with an error: its peers are then usually blocked in
+    a collective that can never complete, and waiting the whole timeout would only delay the report."""
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    while any(p.is_alive() for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.exitcode not in (0, None) for p in procs):
+            failed_at = now
+        if now >= deadline or (failed_at is not None and now - failed_at >= FAILURE_GRACE_S):
+            return
+        procs[[p.is_alive() for p in procs].index(True)].join(0.2)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -67,7 +86,8 @@ def run_ranks(
     The default process group is initialised before ``fn`` runs.
 
     Raises:
-        RuntimeError: a rank raised (its traceback is included), died, or ran past ``timeout`` seconds.
+        RuntimeError: a rank raised (its traceback is included), died, or ran past ``timeout`` seconds (all
+            ranks together; ranks still running ``FAILURE_GRACE_S`` after another rank failed are stopped).
     """
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -78,8 +98,7 @@ def run_ranks(
         ]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout)
+        _wait_all(procs, timeout)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
