@@ -129,7 +129,7 @@ def auto_accelerate(
         check_replicas_every: compare a checksum of every parameter across its data-parallel replicas after
             the first optimizer step and then every N steps, and raise ReplicaDivergenceError naming the
             first parameter that differs (one small all-gather per replica group; docs/methods/ddp.md).
-            None (default) = off.
+            None (default) or 0 = off (``loom train`` spells off as 0); a bool is rejected.
 
     Returns:
         :class:`AccelerateResult`.
@@ -140,7 +140,7 @@ def auto_accelerate(
         DataError: batch sizes that do not divide (global batch vs dp size x micro batch), bad
             ``dataloader_args``.
         ValueError: a bad ``model_input_format``, no ``optim_func``, no trainable parameters, or a
-            ``check_replicas_every`` that is not a positive int.
+            ``check_replicas_every`` that is not a non-negative int or None.
         TypeError: ``model`` is not an ``nn.Module``; ``optim_func`` rejects ``optim_args``.
         NotImplementedError: ``zero1`` with several parameter groups.
         RuntimeError: a meta-device model that cannot be fully initialised.
@@ -153,8 +153,10 @@ def auto_accelerate(
         )
     _check_arguments(optim_func, max_grad_norm, seed)
     if check_replicas_every is not None and (isinstance(check_replicas_every, bool) or not isinstance(
-            check_replicas_every, int) or check_replicas_every < 1):
-        raise ValueError(f"check_replicas_every must be a positive int or None (off), got {check_replicas_every!r}.")
+            check_replicas_every, int) or check_replicas_every < 0):
+        raise ValueError(f"check_replicas_every must be a positive int, or 0 or None (off), got "
+                         f"{check_replicas_every!r}.")
+    check_replicas_every = check_replicas_every or None  # 0 = off, as in loom train's config
     device = init_distributed()
     annotated = has_annotations(model)  # replicate/split scopes: they become (or merge into) the strategy
     strategy = strategy_from_annotations(model, _world_size(), strategy) if annotated else Strategy.parse(strategy)

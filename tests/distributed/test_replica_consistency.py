@@ -15,6 +15,7 @@ import functools
 import pytest
 import torch
 
+import torchloom
 from tests.distributed._consistency_workers import BranchNet, llama_reference, reference_branch_net, suite
 from torchloom.testing import run_ranks
 
@@ -210,3 +211,26 @@ def test_replica_check_passes_correct_runs_and_names_a_perturbed_parameter(world
             assert f"parameter {name!r} differs" in p["message"] and f"parameter {name!r}" in msg, p["message"]
             assert p["diverged"][0][0] == name and p["diverged"][0][1] == [cfg["perturb_rank"]], p["diverged"]
         assert named >= 2, case  # at least the perturbed rank and its reference replica name the parameter
+
+
+def test_check_replicas_every_off_is_0_or_none_in_both_apis():
+    """auto_accelerate and loom train agree: 0 and None mean off, a bool / negative / non-int is rejected.
+    Before the fix auto_accelerate rejected 0 and loom train rejected null (one process, no launch)."""
+    from torchloom.train.config import ConfigError, TrainConfig
+
+    def accelerate(every):
+        return torchloom.auto_accelerate(torch.nn.Linear(2, 2), torch.optim.SGD, None, optim_args={"lr": 0.1},
+                                         check_replicas_every=every)
+
+    for off in (0, None):
+        res = accelerate(off)
+        assert res.replica_monitor is None and not any("replica check" in n for n in res.notes), (off, res.notes)
+        assert TrainConfig.load(None, [f"train.check_replicas_every={'null' if off is None else 0}"]) \
+            .train.check_replicas_every in (0, None)
+    assert accelerate(3).replica_monitor.every == 3
+    for bad in (True, -1, 1.5, "5"):
+        with pytest.raises((ValueError, TypeError), match="check_replicas_every"):
+            accelerate(bad)
+    for bad in ("true", "-1"):
+        with pytest.raises(ConfigError, match="check_replicas_every"):
+            TrainConfig.load(None, [f"train.check_replicas_every={bad}"])

@@ -72,7 +72,8 @@ class OptimConfig:
     paper suggests delta 1e-14 and about a tenth of AdamW's lr for Transformers); ``wsam`` (torchloom.optim.WSAM
     around AdamW with ``wsam_rho``/``wsam_gamma``; two forward/backward passes per step).
     check_replicas_every: compare a checksum of every parameter across its data-parallel replicas after step 1
-    and every N steps; a difference stops the job naming the parameter (0 = off; docs/methods/ddp.md).
+    and every N steps; a difference stops the job naming the parameter (0 or null = off, as in auto_accelerate;
+    docs/methods/ddp.md).
     """
 
     global_batch: int = 16
@@ -90,7 +91,7 @@ class OptimConfig:
     agd_delta: float = 1e-14
     wsam_rho: float = 0.05
     wsam_gamma: float = 0.9
-    check_replicas_every: int = 100
+    check_replicas_every: int | None = 100
 
 
 @dataclass
@@ -259,8 +260,8 @@ class TrainConfig:
                               f"train.wsam_gamma={t.wsam_gamma} in [0, 1).")
         if not t.lr > 0:
             raise ConfigError(f"train.lr={t.lr} must be > 0.")
-        if t.check_replicas_every < 0:
-            raise ConfigError(f"train.check_replicas_every={t.check_replicas_every} must be >= 0 (0 = off).")
+        if t.check_replicas_every is not None and t.check_replicas_every < 0:
+            raise ConfigError(f"train.check_replicas_every={t.check_replicas_every} must be >= 0 (0 or null = off).")
         if not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1].")
         if t.max_grad_norm is not None and not t.max_grad_norm > 0:
