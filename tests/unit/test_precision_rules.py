@@ -14,7 +14,7 @@ from torch import nn
 import torchloom
 from tests.cases._workers import TinyCNN, cnn_loss
 from tests.models import lm_loss, tiny_llama, token_batches
-from torchloom.methods.amp import _to_float
+from torchloom.methods.amp import DTYPES, _to_float
 from torchloom.train_step import move_to_device
 
 ROTARY = ("model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq")
@@ -65,9 +65,82 @@ def test_half_on_meta_device_keeps_buffer_dtypes():
         model = TinyCNN()
     from torchloom.parallel.precision import cast_for_half
 
-    cast, kept = cast_for_half(model, torch.float16)
-    assert (cast, kept) == (6, 4)  # convs and head (weight, bias) cast; the BatchNorms' kept
+    r = cast_for_half(model, torch.float16)
+    assert (r.cast, r.kept, r.came_low, r.norm_upcast) == (6, 4, [], [])  # convs and head (weight, bias) cast; the BatchNorms' kept
     assert model.head.weight.dtype == torch.float16 and model.blocks[0].bn.weight.dtype == torch.float32
+
+
+class NormNet(nn.Module):
+    """Linear + BatchNorm with a deliberately bf16 buffer (``scale``) that the forward uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.register_buffer("scale", torch.full((4,), 0.5, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return {"loss": (self.bn(self.lin(x)) * self.scale).float().pow(2).mean()}
+
+
+def _norm_net_run(model, strategy, dtype=None):
+    """Two SGD-with-momentum steps (AdamW's eps=1e-8 is 0 in fp16); returns the result and the BatchNorm
+    running variance before training."""
+    cast = (lambda b, d: {"x": b["x"].to(d, dtype)}) if dtype else None
+    res = torchloom.auto_accelerate(model, torch.optim.SGD, None, lambda b, o: o["loss"], strategy=strategy,
+                                    optim_args={"lr": 0.1, "momentum": 0.9}, model_input_format="unpack_dict",
+                                    prepare_input=cast)
+    before = res.model.bn.running_var.clone()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        assert torch.isfinite(res.train_step({"x": torch.randn(4, 4, generator=g)}))
+    return res, before
+
+
+@pytest.mark.parametrize("came, target", [(torch.bfloat16, "bf16"), (torch.bfloat16, "fp16"),
+                                          (torch.float16, "bf16"), (torch.float64, "bf16")])
+def test_half_rule_holds_whatever_dtype_the_model_comes_in(came, target, recwarn):
+    """Parameters -> the half dtype, BatchNorm-like layers (parameters and running statistics) -> fp32,
+    other buffers untouched, from any input dtype. Before the fix a model cast to bf16 by the user kept bf16
+    BatchNorm weights and statistics silently, and ('half', {'dtype': 'fp16'}) on it failed in the first
+    forward with "RuntimeError: mixed dtype (CPU)"."""
+    dtype = DTYPES[target]
+    model = NormNet().to(came)
+    model.scale = torch.full((4,), 0.5, dtype=torch.bfloat16)  # the deliberate buffer, whatever the cast
+    res, before = _norm_net_run(model, [("half", {"dtype": target})], dtype)
+    m = res.model
+    assert m.lin.weight.dtype == m.lin.bias.dtype == dtype
+    assert {m.bn.weight.dtype, m.bn.bias.dtype, m.bn.running_mean.dtype, m.bn.running_var.dtype} == {torch.float32}
+    assert m.scale.dtype == torch.bfloat16 and m.bn.num_batches_tracked.dtype == torch.int64
+    assert not torch.equal(m.bn.running_var, before)  # the statistics train, in fp32
+    state = {v.dtype for st in res.optimizer.state.values() for v in st.values() if v.dim()}
+    assert state == {dtype, torch.float32}
+    warned = [str(w.message) for w in recwarn if "already in low precision" in str(w.message)]
+    if came in (torch.bfloat16, torch.float16):
+        assert len(warned) == 1 and "set back to fp32" in warned[0], warned
+    else:
+        assert not warned
+
+
+def test_half_and_amp_on_an_fp32_model_keep_a_deliberate_low_buffer(recwarn):
+    """A bf16 buffer next to fp32 parameters was chosen so: neither half nor amp casts it, and neither warns
+    (before the fix amp upcast it to fp32 with a warning, although amp.md says buffers are never cast)."""
+    for strategy, dtype in ((["half"], torch.bfloat16), (["amp"], None)):
+        res, _ = _norm_net_run(NormNet(), strategy, dtype)
+        assert res.model.scale.dtype == torch.bfloat16, strategy
+        assert res.model.bn.running_var.dtype == torch.float32
+    assert not [w for w in recwarn if "upcast" in str(w.message) or "low precision" in str(w.message)]
+    assert any("buffers next to fp32 parameters keep their dtype" in n for n in res.notes), res.notes
+
+
+def test_amp_upcasts_low_precision_batchnorm_statistics_of_an_fp32_model():
+    """BatchNorm statistics must match the fp32 weights, so amp upcasts them even when the parameters are fp32
+    (with the warning) while the model's other bf16 buffer stays bf16."""
+    model = NormNet()
+    model.bn.running_var = model.bn.running_var.bfloat16()
+    with pytest.warns(UserWarning, match=r"bn\.running_var.*upcast to fp32"):
+        res, _ = _norm_net_run(model, ["amp"])
+    assert res.model.bn.running_var.dtype == torch.float32 and res.model.scale.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])

@@ -37,9 +37,11 @@ class Amp(Method):
     ``MixedPrecisionPolicy`` casts parameters to the low dtype for compute and reduces gradients in fp32.
     fp16 adds a dynamic loss scaler whose skip decision is all-reduced so every rank agrees.
 
-    Master weights, gradients and optimizer state are fp32 on both paths: a model handed in with bf16/fp16
-    parameters or buffers (``model.to(torch.bfloat16)``) is upcast to fp32 first, with a ``UserWarning``.
-    Buffers are never cast to the low dtype.
+    Master weights, gradients and optimizer state are fp32 on both paths: bf16/fp16 parameters
+    (``model.to(torch.bfloat16)``) are upcast to fp32 first, with a ``UserWarning``, together with the
+    bf16/fp16 buffers of BatchNorm-like layers, and all bf16/fp16 buffers when every floating parameter came
+    in low precision (``torchloom.parallel.precision.upcast_low_precision``). Buffers are never cast to the
+    low dtype, and a bf16/fp16 buffer of a model with fp32 parameters keeps its dtype.
     """
 
     name = "amp"
@@ -63,7 +65,10 @@ class Amp(Method):
             )
 
     def apply(self, ctx) -> None:
-        upcast = [n for part in ctx.model_parts for n in upcast_low_precision(part)]
+        upcast, left = [], []
+        for part in ctx.model_parts:
+            u, k = upcast_low_precision(part)
+            upcast, left = upcast + u, left + k
         if upcast:
             msg = (f"amp: the model came with {len(upcast)} bf16/fp16 parameters/buffers (e.g. {upcast[:3]}); they "
                    "were upcast to fp32, because amp keeps fp32 master weights, gradients and optimizer state and "
@@ -72,6 +77,9 @@ class Amp(Method):
                    "precision.")
             warnings.warn(msg, UserWarning, stacklevel=2)
             ctx.note(msg)
+        if left:
+            ctx.note(f"amp: {len(left)} bf16/fp16 buffers next to fp32 parameters keep their dtype "
+                     f"(e.g. {left[:3]}): buffers are never cast")
         if "fsdp" in ctx.strategy:
             ctx.note(f"amp: FSDP MixedPrecisionPolicy computes in {self.dtype} (see fsdp's reduce_dtype)")
             return  # fsdp builds its MixedPrecisionPolicy from ctx.autocast_dtype

@@ -1,6 +1,7 @@
 """`half`: the model's parameters in bf16 or fp16 (ATorch ``half``); buffers keep their dtype."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,7 +17,8 @@ class HalfConfig:
     cast_buffers: cast everything floating, buffers and BatchNorm-like layers included (``model.to(dtype)``,
         what ``half`` did before it kept buffers): rotary ``inv_freq``, running statistics and other fp32
         state then lose precision. Default False: buffers keep their dtype, and normalisation
-        layers with running statistics stay fp32 (parameters and statistics).
+        layers with running statistics are fp32 (parameters and statistics), also when the model came in
+        bf16/fp16 (they are set back to fp32, with a warning).
     """
 
     dtype: Literal["bfloat16", "bf16", "float16", "fp16", "half"] = "bfloat16"
@@ -28,8 +30,9 @@ class Half(Method):
     """Parameters, gradients and optimizer state all in the low dtype: half the memory of fp32, no master
     weights (so small updates can be lost to rounding; prefer ``amp`` for training from scratch).
 
-    Buffers keep their dtype and BatchNorm-like layers (running statistics) stay fp32 unless ``cast_buffers``
-    (``torchloom.parallel.precision``). Inputs are not cast: floating-point tensors of the batch reach the
+    Whatever dtype the model comes in: parameters end in the half dtype, BatchNorm-like layers (parameters and
+    running statistics) in fp32, other buffers keep their dtype, unless ``cast_buffers``
+    (``torchloom.parallel.precision.cast_for_half``). A model with bf16/fp16 parameters gets a ``UserWarning``. Inputs are not cast: floating-point tensors of the batch reach the
     model in the dtype ``prepare_input`` gives them.
     """
 
@@ -41,13 +44,27 @@ class Half(Method):
         ctx.param_dtype = DTYPES[self.config.dtype]
 
     def apply(self, ctx) -> None:
+        dtype = ctx.param_dtype
         cast = kept = 0
+        came_low, norm_upcast = [], []
         for part in ctx.model_parts:  # also fine on the meta device
-            c, k = cast_for_half(part, ctx.param_dtype, cast_buffers=self.config.cast_buffers)
-            cast, kept = cast + c, kept + k
+            r = cast_for_half(part, dtype, cast_buffers=self.config.cast_buffers)
+            cast, kept = cast + r.cast, kept + r.kept
+            came_low, norm_upcast = came_low + r.came_low, norm_upcast + r.norm_upcast
         if self.config.cast_buffers:
-            ctx.note(f"half: parameters and floating-point buffers cast to {ctx.param_dtype} (cast_buffers)")
+            ctx.note(f"half: parameters and floating-point buffers cast to {dtype} (cast_buffers)")
         else:
-            ctx.note(f"half: {cast} parameters cast to {ctx.param_dtype}; buffers keep their dtype"
+            ctx.note(f"half: {cast} parameters cast to {dtype}; buffers keep their dtype"
                      + (f"; {kept} parameters of BatchNorm-like layers kept in fp32 with their running statistics"
                         if kept else ""))
+        if came_low:
+            msg = (f"half: the model came in already in low precision ({len(came_low)} bf16/fp16 parameters, "
+                   f"e.g. {came_low[:3]}).")
+            if norm_upcast:
+                msg += (f" {len(norm_upcast)} tensors of BatchNorm-like layers (e.g. {norm_upcast[:3]}) were set back "
+                        "to fp32, as half keeps them (values rounded by the earlier cast stay rounded).")
+            if not self.config.cast_buffers:
+                msg += f" Other parameters are now {dtype}; other buffers keep the dtype they came in."
+            msg += " Hand the model in fp32 to avoid the double rounding."
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            ctx.note(msg)
