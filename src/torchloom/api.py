@@ -16,7 +16,7 @@ from .errors import StrategyError
 from .parallel.consistency import ReplicaMonitor
 from .parallel.distributed import init_distributed
 from .parallel.materialize import materialize_meta_model
-from .parallel.mesh import ParallelDims, ParallelMesh
+from .parallel.mesh import ParallelDims, ParallelMesh, set_current_mesh
 from .parallel.unused_params import install_fsdp_zero_fill
 from .strategy.annotations import has_annotations, strategy_from_annotations
 from .strategy.data_parallel import replicating_data_parallel
@@ -183,6 +183,7 @@ def auto_accelerate(
         ctx.note(f"no data-parallel method given for dp={ctx.mesh.dp_size}: added {name}"
                  + (" over dp_replicate (DDP cannot hold tensor-parallel DTensors)" if name == "fsdp" else ""))
     _check_dims_used(ctx.mesh.dims, methods)
+    set_current_mesh(ctx.mesh)  # eval_loader / reduce_metrics without mesh= use its dp view
     if ctx.loss_scaler is not None:
         ctx.loss_scaler.group = None  # world: every rank must agree on skipping
 

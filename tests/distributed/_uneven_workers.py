@@ -201,3 +201,75 @@ def train_iterable(lengths: list[int], micro: int, accum: int, uneven: str = "dr
     return {"batches": batches, "micro_steps": res.train_step.micro_step, "warnings": uneven_warnings,
             "error": error, "state": loader.state_dict(),
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+# ------------------------------------------------------------------------------------------ gather shapes, TP mesh
+def _err(fn) -> str | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test checks the type and the message on every rank
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def per_sample_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    """``(rows,)`` mean next-token cross-entropy of each sequence (fp32)."""
+    logits = model(input_ids=ids).logits
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    loss = nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+    return loss.mean(1)
+
+
+def eval_gather_and_current_mesh(n: int, batch_size: int) -> dict:
+    """2 ranks. First (default group, dp 2): ``gather_for_metrics`` of a per-rank trailing shape (error, then
+    ``pad_value``), of nested dict/list/tuple structures, and of a structure that differs per rank. Then
+    ``auto_accelerate`` with tp=2 and ``eval_loader`` *without* ``mesh=``: the per-sample loss mean, the gathered
+    ids, and the errors of an explicit world group / dp_rank that contradict the mesh."""
+    from torchloom.data import eval_loader, reduce_metrics
+
+    rank, out = dist.get_rank(), {}
+    loader = eval_loader(list(range(n)), batch_size)
+    it = iter(loader)
+    ids = next(it)
+    out["varlen_error"] = _err(lambda: loader.gather_for_metrics(torch.zeros(len(ids), 2 + rank)))
+    out["padded"] = loader.gather_for_metrics((ids[:, None] + 1) * torch.ones(len(ids), 2 + rank, dtype=torch.long),
+                                              pad_value=-1).tolist()
+    nested = {"ids": ids, "pair": [ids * 2, (ids.double(), {"deep": ids[:, None].expand(-1, 3)})]}
+    g = loader.gather_for_metrics(nested)
+    out["nested"] = [g["ids"].tolist(), g["pair"][0].tolist(), g["pair"][1][0].tolist(), type(g["pair"][1]).__name__,
+                     g["pair"][1][0].dtype == torch.float64, g["pair"][1][1]["deep"].tolist()]
+    mismatch = {"a": ids} if rank == 0 else {"b": ids}
+    out["structure_error"] = _err(lambda: loader.gather_for_metrics(mismatch))
+    out["dtype_error"] = _err(lambda: loader.gather_for_metrics(ids.double() if rank else ids))
+    # only rank 0's tensor is wrong (7 rows): rank 1 must raise too, not wait in the gather
+    out["one_rank_error"] = _err(lambda: loader.gather_for_metrics(torch.zeros(7) if rank == 0 else ids))
+    del it
+
+    toks = token_batches(n)
+    ds = [{"input_ids": t, "idx": torch.tensor(i)} for i, t in enumerate(toks)]
+    res = torchloom.auto_accelerate(tiny_llama(), torch.optim.SGD, None, lambda b, o: o.loss,
+                                    strategy=[("parallel_mode", {"tp": 2}), "tensor_parallel", "fsdp"],
+                                    optim_args={"lr": 0.0}, model_input_format="unpack_dict")
+    res.model.eval()
+    loader = eval_loader(ds, batch_size)  # no mesh=: auto_accelerate's (dp 1 x tp 2) is the current one
+    total, count, own, gathered = torch.zeros((), dtype=torch.float64), 0, [], []
+    with torch.no_grad():
+        for b in loader:
+            loss = per_sample_loss(res.model, b["input_ids"])
+            total += loader.valid(loss).double().sum()
+            count += loader.num_valid
+            own += loader.valid(b["idx"]).tolist()
+            gathered += loader.gather_for_metrics(b["idx"]).tolist()
+    out.update(own=own, gathered=gathered, mean=float(loader.reduce_metrics(total, count)),
+               free_mean=float(reduce_metrics(total, count)))
+    out["world_group_error"] = _err(lambda: eval_loader(ds, batch_size, group=dist.group.WORLD))
+    out["dp_rank_error"] = _err(lambda: eval_loader(ds, batch_size, dp_rank=rank, dp_size=2))
+    out["reduce_world_error"] = _err(lambda: reduce_metrics(total, count, group=dist.group.WORLD))
+    return out
+
+
+def tp_eval_reference(n: int) -> float:
+    """The per-sample loss mean of the plain model over ``token_batches(n)``, one process."""
+    model = tiny_llama().eval()
+    with torch.no_grad():
+        return per_sample_loss(model, token_batches(n)).double().mean().item()

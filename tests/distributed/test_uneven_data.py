@@ -153,3 +153,39 @@ def test_iterable_one_empty_rank_4ranks():
     late = run_ranks(W.train_iterable, 4, [6, 6, 6, 8], 2, 1, timeout=300)  # 3/3/3/4 batches
     assert [r["batches"] for r in late] == [3] * 4 and "rank(s) [0, 1, 2] ran out" in late[0]["warnings"][0]
     _check_params(late, W.train_reference([6, 6, 6, 8], 2, 1, steps=3))
+
+
+# ------------------------------------------------------------------------------------------ gather shapes, TP mesh
+# TP (tp=2) vs the one-process forward of the same sequences: fp32, another reduction order -> ~1e-7 relative.
+# Tensor-parallel peers reading different samples (eval_loader without mesh= before the fix) gave 4.8735 vs
+# 4.8431 (6e-3 relative); rtol 1e-5 separates them.
+TP_EVAL_RTOL = 1e-5
+
+
+@pytest.mark.distributed
+def test_gather_shapes_and_structures_and_current_mesh_2ranks():
+    """13 samples, batch 3. dp 2: rank r gathers (3, 2 + r) tensors (before: gloo EnforceNotMet, SIGABRT), nested
+    structures, mismatches; then tp 2 without mesh= (before: tp peers read different samples, mean 4.8735 vs
+    4.8431)."""
+    ranks = run_ranks(W.eval_gather_and_current_mesh, 2, 13, 3, timeout=600)
+    for r in ranks:  # every rank raises the same error (none aborts or hangs), naming each rank's shape
+        assert r["varlen_error"] and r["varlen_error"].startswith("DataError") and "pad_value" in r["varlen_error"]
+        assert "0: ('rows', 2)" in r["varlen_error"] and "1: ('rows', 3)" in r["varlen_error"], r["varlen_error"]
+        assert "another structure" in r["structure_error"], r["structure_error"]
+        assert "dtypes differ" in r["dtype_error"], r["dtype_error"]
+    assert "3 rows in dim 0" in ranks[0]["one_rank_error"], ranks[0]["one_rank_error"]
+    assert "rank(s) [0] passed values" in ranks[1]["one_rank_error"], ranks[1]["one_rank_error"]
+    # step 0: rank 0 has ids 0..2 (2 columns, padded to 3 with -1), rank 1 has ids 3..5 (3 columns)
+    want = [[i + 1] * 2 + [-1] for i in range(3)] + [[i + 1] * 3 for i in range(3, 6)]
+    assert [r["padded"] for r in ranks] == [want, want]
+    ids = list(range(6))
+    nested = [ids, [2 * i for i in ids], [float(i) for i in ids], "tuple", True, [[i] * 3 for i in ids]]
+    assert [r["nested"] for r in ranks] == [nested, nested]
+
+    ref = W.tp_eval_reference(13)
+    assert ranks[0]["own"] == ranks[1]["own"] == list(range(13)), "tp peers read other samples"
+    for r in ranks:
+        assert r["gathered"] == list(range(13))
+        assert r["mean"] == pytest.approx(ref, rel=TP_EVAL_RTOL) and r["free_mean"] == r["mean"], (r["mean"], ref)
+        for key in ("world_group_error", "dp_rank_error", "reduce_world_error"):
+            assert r[key] and r[key].startswith("DataError") and "current torchloom mesh" in r[key], (key, r[key])

@@ -81,3 +81,45 @@ def test_bad_arguments():
     next(iter(loader))
     with pytest.raises(DataError, match="default process group has 1 rank"):
         loader.gather_for_metrics(torch.zeros(1))
+
+
+def test_gather_for_metrics_nested_structures_one_process():
+    loader = eval_loader(list(range(5)), 3, dp_rank=0, dp_size=1, pad_to_multiple_of=2)
+    first = next(iter(loader))  # rows [0, 1, 2, 0(filler)]
+    g = loader.gather_for_metrics({"a": first, "b": [first * 2, (first.double(),)]})
+    assert g["a"].tolist() == [0, 1, 2] and g["b"][0].tolist() == [0, 2, 4]
+    assert isinstance(g["b"][1], tuple) and g["b"][1][0].dtype == torch.float64
+    with pytest.raises(DataError, match="gathers tensors and dicts"):
+        loader.gather_for_metrics({"a": [0, 1, 2, 3]})
+    with pytest.raises(DataError, match="4 rows in dim 0"):
+        loader.gather_for_metrics([first, torch.zeros(2)])
+
+
+def test_gather_agreement_checks_every_rank_alike():
+    """What every rank concludes from the all-gathered (structure, [(trailing shape, dtype)]) of all ranks."""
+    from torchloom.data.eval import _agree, _flatten
+
+    _, spec = _flatten({"x": torch.zeros(1)})
+    _, other = _flatten({"y": torch.zeros(1)})
+    f32 = str(torch.float32)
+    assert _agree([(spec, [((2, 5), f32)]), (spec, [((2, 5), f32)])], None) == [(2, 5)]
+    with pytest.raises(DataError, match=r"trailing shapes differ.*0: \('rows', 2, 5\), 1: \('rows', 2, 7\).*pad_value"):
+        _agree([(spec, [((2, 5), f32)]), (spec, [((2, 7), f32)])], None)
+    assert _agree([(spec, [((2, 5), f32)]), (spec, [((3, 4), f32)])], 0) == [(3, 5)]
+    with pytest.raises(DataError, match=r"ranks \[1\] passed another structure.*\{'y': Tensor\}"):
+        _agree([(spec, [((), f32)]), (other, [((), f32)])], None)
+    with pytest.raises(DataError, match="dtypes differ"):
+        _agree([(spec, [((), f32)]), (spec, [((), str(torch.int64))])], 0)
+    with pytest.raises(DataError, match="number of dims differs"):
+        _agree([(spec, [((2,), f32)]), (spec, [((2, 1), f32)])], 0)
+
+
+def test_no_current_mesh_without_a_process_group():
+    from torchloom.parallel.mesh import current_mesh, set_current_mesh
+
+    set_current_mesh(object())  # a recorded mesh is ignored when no process group is initialised
+    try:
+        assert current_mesh() is None
+        assert eval_loader(list(range(4)), 2).dp_size == 1
+    finally:
+        set_current_mesh(None)

@@ -11,7 +11,8 @@ sample) whose rows ``num_valid`` excludes. :meth:`EvalLoader.gather_for_metrics`
 every rank's real row count of every step; for map-style data without any communication).
 
 Only data-parallel ranks split the data: tensor- and pipeline-parallel peers (same dp rank) get the same
-batches, and the reductions run over the data-parallel group, so nothing is counted ``tp x pp`` times.
+batches, and the reductions run over the data-parallel group, so nothing is counted ``tp x pp`` times. Without
+``mesh=`` the current torchloom mesh (the one ``auto_accelerate`` built) gives that layout.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from torchloom.data.join import dp_layout, group_size
 from torchloom.data.sampler import DataError, _positive_int
+from torchloom.parallel.mesh import current_mesh
 
 __all__ = ["EvalLoader", "eval_loader", "reduce_metrics", "split_counts"]
 
@@ -222,33 +224,68 @@ class EvalLoader:
         self._check_rows(values)
         return values[: self.num_valid]
 
-    def gather_for_metrics(self, values: torch.Tensor) -> torch.Tensor:
-        """All-gather a per-row tensor of the current step over the data-parallel group, filler dropped.
+    def gather_for_metrics(self, values: Any, pad_value: float | int | bool | None = None) -> Any:
+        """All-gather per-row tensors of the current step over the data-parallel group, filler dropped.
 
-        Collective: every rank of the group calls it once for the same step. ``values`` has the batch's rows
-        (or exactly its ``num_valid`` real rows) in dim 0, any trailing shape and dtype, on the device the
-        group's backend uses. Returns ``(sum(step_counts), ...)``: the step's real rows of rank 0, 1, ... in
-        order, which for map-style data is the dataset order. Same result on every rank.
+        Collective: every rank of the group calls it once for the same step. ``values`` is a tensor or a
+        nested dict / list / tuple of tensors (the same structure on every rank); each tensor has the batch's
+        rows (or exactly its ``num_valid`` real rows) in dim 0, any trailing shape and dtype, on the device the
+        group's backend uses. Returns the same structure, each tensor ``(sum(step_counts), ...)``: the step's
+        real rows of rank 0, 1, ... in order, which for map-style data is the dataset order. Same result on
+        every rank.
+
+        Every call first all-gathers each rank's structure, shapes and dtypes (one small object). Ranks whose
+        trailing dims (dim 1..) differ, e.g. logits of batches padded each to its own length, are an error by
+        default; ``pad_value=`` pads every tensor's dims 1.. at the end to the largest size over the ranks
+        with that value (Accelerate's ``pad_across_processes`` + ``gather_for_metrics`` in one call; e.g.
+        ``-100`` for labels, the pad token id for predictions).
+
+        Raises:
+            DataError (on every rank: a rank's own problem is exchanged first, so no peer is left waiting):
+            called outside the loop, a non-tensor leaf,
+            a tensor without the batch's rows in dim 0, a structure, dtype or number of dims that differs
+            between ranks, or trailing shapes that differ without ``pad_value``.
         """
         if self.step < 0:
             raise DataError("gather_for_metrics needs the batch the loader just yielded: call it inside the loop.")
-        if values.dim() == 0 or values.shape[0] != self.num_valid:
-            values = self.valid(values)
-        if self.dp_size == 1:
-            return values.clone()
-        self._check_group()
+        if self.dp_size > 1:
+            self._check_group()
+        try:
+            leaves, spec = _flatten(values)
+            leaves = [v if v.dim() > 0 and v.shape[0] == self.num_valid else self.valid(v) for v in leaves]
+        except DataError as e:
+            if self.dp_size == 1:
+                raise
+            local, meta = e, None  # still join the exchange, so the other ranks raise too instead of waiting
+        else:
+            if self.dp_size == 1:
+                return _unflatten(spec, [v.clone() for v in leaves])
+            local, meta = None, (spec, [(tuple(v.shape[1:]), str(v.dtype)) for v in leaves])
+        metas: list[Any] = [None] * self.dp_size
+        dist.all_gather_object(metas, meta, group=self.group)
+        if local is not None:
+            raise local
+        failed = [r for r, m in enumerate(metas) if m is None]
+        if failed:
+            raise DataError(f"gather_for_metrics: rank(s) {failed} passed values they cannot gather (see their "
+                            "DataError); every rank stops so none waits in the collective.")
+        trailing = _agree(metas, pad_value)
         most = max(self._counts)
-        padded = values.new_zeros((most, *values.shape[1:]))
-        padded[: self.num_valid] = values
-        parts = [torch.empty_like(padded) for _ in range(self.dp_size)]
-        dist.all_gather(parts, padded.contiguous(), group=self.group)
-        return torch.cat([p[:c] for p, c in zip(parts, self._counts)])
+        out = []
+        for v, shape in zip(leaves, trailing):
+            fill = 0 if pad_value is None else pad_value
+            padded = v.new_full((most, *shape), fill)
+            padded[(slice(0, self.num_valid), *(slice(0, d) for d in v.shape[1:]))] = v
+            parts = [torch.empty_like(padded) for _ in range(self.dp_size)]
+            dist.all_gather(parts, padded, group=self.group)
+            out.append(torch.cat([p[:c] for p, c in zip(parts, self._counts)]))
+        return _unflatten(spec, out)
 
     def reduce_metrics(self, total: torch.Tensor | float, count: torch.Tensor | float) -> torch.Tensor:
         """:func:`reduce_metrics` over this loader's data-parallel group."""
         if self.dp_size > 1:
             self._check_group()
-        return reduce_metrics(total, count, group=self.group if self.dp_size > 1 else _NO_GROUP)
+        return _reduce(total, count, self.group if self.dp_size > 1 else _NO_GROUP)
 
     def _check_group(self) -> None:
         size = group_size(self.group)
@@ -263,6 +300,83 @@ class EvalLoader:
                             f"{self.num_valid} of them real), got shape {tuple(values.shape)}.")
 
 
+def _flatten(values: Any) -> tuple[list[torch.Tensor], Any]:
+    """Tensor leaves of a nested dict / list / tuple (dicts in key order) and a picklable structure spec."""
+    if torch.is_tensor(values):
+        return [values], "T"
+    if isinstance(values, dict):
+        leaves, specs = [], []
+        for k, v in values.items():
+            sub, spec = _flatten(v)
+            leaves += sub
+            specs.append((k, spec))
+        return leaves, ("dict", type(values), tuple(specs))
+    if isinstance(values, (list, tuple)):
+        leaves, specs = [], []
+        for v in values:
+            sub, spec = _flatten(v)
+            leaves += sub
+            specs.append(spec)
+        return leaves, ("seq", type(values), tuple(specs))
+    raise DataError(f"gather_for_metrics gathers tensors and dicts / lists / tuples of them, got a "
+                    f"{type(values).__name__}; make it a per-row tensor (e.g. torch.as_tensor).")
+
+
+def _unflatten(spec: Any, leaves: list[torch.Tensor]) -> Any:
+    it = iter(leaves)
+
+    def build(sp: Any) -> Any:
+        if sp == "T":
+            return next(it)
+        kind, typ, subs = sp
+        if kind == "dict":
+            return typ((k, build(s)) for k, s in subs)
+        items = [build(s) for s in subs]
+        return typ(*items) if hasattr(typ, "_fields") else typ(items)  # namedtuple
+
+    return build(spec)
+
+
+def _agree(metas: list[Any], pad_value: Any) -> list[tuple[int, ...]]:
+    """Check every rank's ``(structure, [(trailing shape, dtype)])`` and return each leaf's trailing shape to
+    gather (the largest per dim when padding). Every rank sees the same ``metas``, so all raise together."""
+    spec0, leaves0 = metas[0]
+    bad = [r for r, (sp, lv) in enumerate(metas) if sp != spec0 or len(lv) != len(leaves0)]
+    if bad:
+        raise DataError(f"gather_for_metrics: ranks {bad} passed another structure than rank 0 (dict keys, list "
+                        f"lengths or tensor positions differ): every rank must gather the same structure. Per "
+                        f"rank: {[_describe(sp) for sp, _ in metas]}.")
+    out = []
+    for i, (shape0, dtype0) in enumerate(leaves0):
+        per_rank = [lv[i] for _, lv in metas]
+        where = f" (tensor {i} of the structure)" if len(leaves0) > 1 else ""
+        shapes = {r: ("rows",) + s for r, (s, _) in enumerate(per_rank)}
+        if any(d != dtype0 for _, d in per_rank):
+            raise DataError(f"gather_for_metrics{where}: dtypes differ between ranks: "
+                            f"{ {r: d for r, (_, d) in enumerate(per_rank)} }; cast to one dtype first.")
+        if any(len(s) != len(shape0) for s, _ in per_rank):
+            raise DataError(f"gather_for_metrics{where}: the number of dims differs between ranks: {shapes}.")
+        if any(s != shape0 for s, _ in per_rank):
+            if pad_value is None:
+                raise DataError(f"gather_for_metrics{where}: trailing shapes differ between ranks: {shapes} (e.g. "
+                                "batches padded each to its own length); pass pad_value=... (e.g. -100 for labels, "
+                                "the pad token id for predictions) to pad dims 1.. to the largest size, or pad "
+                                "to a fixed length in collate_fn.")
+            shape0 = tuple(max(s[d] for s, _ in per_rank) for d in range(len(shape0)))
+        out.append(shape0)
+    return out
+
+
+def _describe(spec: Any) -> str:
+    if spec == "T":
+        return "Tensor"
+    kind, typ, subs = spec
+    if kind == "dict":
+        return "{" + ", ".join(f"{k!r}: {_describe(s)}" for k, s in subs) + "}"
+    inner = ", ".join(_describe(s) for s in subs)
+    return f"[{inner}]" if typ is list else f"{typ.__name__}({inner})"
+
+
 _NO_GROUP = object()
 
 
@@ -274,15 +388,25 @@ def reduce_metrics(total: torch.Tensor | float, count: torch.Tensor | float,
     Args:
         total: this rank's summed metric over its *real* rows (a number, or a tensor of several metrics).
         count: what ``total`` sums over (samples, tokens, ...): a number or a tensor of ``total``'s shape.
-        group: the data-parallel group (None: the default group when a process group is initialised).
-            Reduce over data-parallel ranks only: tensor/pipeline peers hold copies of the same numbers.
+        group: the data-parallel group. None: the current torchloom mesh's data-parallel group when
+            ``auto_accelerate`` built one (``torchloom.parallel.mesh.current_mesh()``), else the default group
+            when a process group is initialised. Reduce over data-parallel ranks only: tensor/pipeline peers
+            hold copies of the same numbers.
 
     Returns:
         float64 CPU tensor of ``total``'s shape; the same on every rank. Collective when distributed.
 
     Raises:
-        DataError: a global count of zero (nothing was counted) or mismatched shapes.
+        DataError: a global count of zero (nothing was counted), mismatched shapes, or a ``group`` that is
+            not the current mesh's data-parallel group when that mesh has tensor/pipeline/expert degrees > 1.
     """
+    if group is not _NO_GROUP and dist.is_available() and dist.is_initialized():
+        group = _metric_group(group)
+    return _reduce(total, count, group)
+
+
+def _reduce(total: torch.Tensor | float, count: torch.Tensor | float, group: Any) -> torch.Tensor:
+    """``reduce_metrics`` over exactly ``group`` (``_NO_GROUP``: this process only)."""
     t = torch.as_tensor(total, dtype=torch.float64).detach().cpu()
     c = torch.as_tensor(count, dtype=torch.float64).detach().cpu()
     try:
@@ -298,6 +422,18 @@ def reduce_metrics(total: torch.Tensor | float, count: torch.Tensor | float,
     return (both[0] / both[1]).reshape(t.shape)
 
 
+def _metric_group(group: dist.ProcessGroup | None) -> Any:
+    """The group ``reduce_metrics`` reduces over: the given one (checked against the current mesh), else the
+    current mesh's dp group (``_NO_GROUP`` when dp is 1), else the default group."""
+    cur = current_mesh()
+    if cur is None:
+        return group
+    if group is not None:
+        _check_against_mesh(cur, group, "reduce_metrics: group")
+        return group
+    return cur.group("dp") if cur.dp_size > 1 else _NO_GROUP
+
+
 def eval_loader(dataset: Dataset, batch_size: int, *, mesh: Any = None, group: dist.ProcessGroup | None = None,
                 dp_rank: int | None = None, dp_size: int | None = None, pad_to_multiple_of: int = 1,
                 **kwargs: Any) -> EvalLoader:
@@ -306,19 +442,57 @@ def eval_loader(dataset: Dataset, batch_size: int, *, mesh: Any = None, group: d
     The data-parallel layout comes from the first given of: ``mesh`` (a :class:`ParallelMesh`, e.g.
     ``res.mesh``: its ``dp`` rank, size and group, so tensor/pipeline peers read the same samples),
     ``group`` (a process group whose ranks split the data), ``dp_rank``/``dp_size`` (explicit; collectives
-    then use the default group, which must be exactly the data-parallel ranks), else the default process
-    group (or one process).
+    then use the default group, which must be exactly the data-parallel ranks), else the current torchloom
+    mesh (the one the last ``auto_accelerate`` built, ``torchloom.parallel.mesh.current_mesh()``), else the
+    default process group (or one process). With a current mesh whose tp/pp/ep degrees are not all 1, a
+    ``group`` other than its dp group, or ``dp_rank``/``dp_size`` other than its own, is a ``DataError``
+    (tensor/pipeline peers would read different samples and their forwards mix them); with matching
+    ``dp_rank``/``dp_size`` the mesh's dp group is used.
 
     Args:
         batch_size: samples per rank per step. ``pad_to_multiple_of``, ``collate_fn`` and DataLoader
             arguments: see :class:`EvalLoader`.
 
     Raises:
-        DataError: an invalid layout or batch size (see :class:`EvalLoader`).
+        DataError: an invalid layout or batch size (see :class:`EvalLoader`), or a layout that contradicts
+            the current torchloom mesh (see above).
     """
-    rank, size, grp = dp_layout(mesh=mesh, group=group, dp_rank=dp_rank, dp_size=dp_size)
+    rank, size, grp = _layout(mesh, group, dp_rank, dp_size)
     return EvalLoader(dataset, batch_size, dp_rank=rank, dp_size=size, group=grp,
                       pad_to_multiple_of=pad_to_multiple_of, **kwargs)
+
+
+def _layout(mesh: Any, group: dist.ProcessGroup | None, dp_rank: int | None,
+            dp_size: int | None) -> tuple[int, int, dist.ProcessGroup | None]:
+    """``dp_layout`` with the current torchloom mesh (``auto_accelerate``'s) as the default, and a check that an
+    explicit group / dp rank agrees with it."""
+    cur = None if mesh is not None else current_mesh()
+    if cur is None:
+        return dp_layout(mesh=mesh, group=group, dp_rank=dp_rank, dp_size=dp_size)
+    if group is not None:
+        _check_against_mesh(cur, group, "group")
+        return dp_layout(group=group)
+    if dp_rank is not None or dp_size is not None:
+        rank, size, _ = dp_layout(dp_rank=dp_rank, dp_size=dp_size)
+        if (rank, size) != (cur.dp_rank, cur.dp_size):
+            raise DataError(f"dp_rank={rank}/dp_size={size} contradict the current torchloom mesh {cur!r} (built by "
+                            f"auto_accelerate), whose data-parallel rank/size here is {cur.dp_rank}/{cur.dp_size}: "
+                            "tensor/pipeline peers must read the same samples. Pass mesh=res.mesh or nothing.")
+    return dp_layout(mesh=cur)
+
+
+def _check_against_mesh(mesh: Any, group: dist.ProcessGroup, what: str) -> None:
+    """Raise if ``group`` is not this rank's data-parallel group of ``mesh`` (matters only with tp/pp/ep > 1;
+    without them every group of the world's ranks splits the data the same way)."""
+    if mesh.dp_size == dist.get_world_size():
+        return
+    want = dist.get_process_group_ranks(mesh.group("dp")) if mesh.dp_size > 1 else [dist.get_rank()]
+    have = dist.get_process_group_ranks(group)
+    if sorted(have) != sorted(want):
+        raise DataError(f"{what} with global ranks {sorted(have)} is not the data-parallel group {sorted(want)} of the "
+                        f"current torchloom mesh {mesh!r} (built by auto_accelerate): tensor/pipeline peers hold "
+                        "copies of the same samples, so splitting, gathering or reducing over other ranks mixes or "
+                        "double-counts them. Pass mesh=res.mesh (or group=res.mesh.group('dp')), or nothing.")
 
 
 def _global_rank(group: dist.ProcessGroup | None, rank_in_group: int) -> int:

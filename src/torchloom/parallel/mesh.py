@@ -117,3 +117,25 @@ class ParallelMesh:
 
     def __repr__(self) -> str:
         return f"ParallelMesh({_fmt(self.dims.as_dict())}, device_type={self.device_type!r})"
+
+
+
+_CURRENT: tuple[ParallelMesh, object] | None = None  # (mesh, the default process group it was built on)
+
+
+def set_current_mesh(mesh: ParallelMesh | None) -> None:
+    """Record ``mesh`` as this process's current torchloom mesh (``auto_accelerate`` does, for the mesh it built),
+    so helpers that need the data-parallel layout (``torchloom.data.eval_loader``, ``reduce_metrics``) find it
+    without being passed ``mesh=``. ``None`` forgets it."""
+    global _CURRENT
+    _CURRENT = None if mesh is None else (mesh, dist.group.WORLD)
+
+
+def current_mesh() -> ParallelMesh | None:
+    """The mesh recorded by :func:`set_current_mesh` (the last ``auto_accelerate``'s), or ``None`` when none was
+    recorded or it does not belong to the current default process group (none initialised, or re-initialised
+    since: its groups are gone)."""
+    if _CURRENT is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    mesh, world = _CURRENT
+    return mesh if world is dist.group.WORLD else None
