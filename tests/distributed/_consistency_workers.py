@@ -52,12 +52,16 @@ def rank_batch(step: int, rank: int, rule: str) -> dict:
     return {"x": torch.randn(4, 8, generator=g), "branch": branch_flag(rule, step, rank)}
 
 
-def reference_branch_net(steps: int, world: int, rule: str, loss: str) -> dict[str, torch.Tensor]:
+def reference_branch_net(steps: int, world: int, rule: str, loss: str, freeze_at: int | None = None
+                         ) -> dict[str, torch.Tensor]:
     """One process: each step's loss is the mean over the ranks' micro-batch losses (each with its own
-    branch flag), so the gradient is the exact data-parallel average (a rank without the branch adds 0)."""
+    branch flag), so the gradient is the exact data-parallel average (a rank without the branch adds 0).
+    ``freeze_at``: ``body`` is frozen from that step on."""
     model = BranchNet()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for s in range(steps):
+        if s == freeze_at:
+            model.body.requires_grad_(False)
         total = sum(LOSSES[loss](b, model(b)) for b in (rank_batch(s, r, rule) for r in range(world))) / world
         total.backward()
         opt.step()
@@ -66,18 +70,28 @@ def reference_branch_net(steps: int, world: int, rule: str, loss: str) -> dict[s
 
 
 def train_branch_net(strategy, steps: int, rule: str, loss: str, plain_loop: bool = False,
-                     older_torch_fsdp: bool = False) -> dict:
+                     older_torch_fsdp: bool = False, accum: int = 1, freeze_at: int | None = None,
+                     unfreeze_aux_at: int | None = None) -> dict:
     """Train BranchNet; stop at the first error. Returns the error, the optimizer steps taken and the full
     parameters (gathered under FSDP) on every rank. ``older_torch_fsdp``: build as on a torch without
-    ``FSDPModule.set_reduce_scatter_unused_params`` (torchloom's post-backward fill is used instead)."""
+    ``FSDPModule.set_reduce_scatter_unused_params`` (torchloom's post-backward fill is used instead).
+    ``accum``: micro-batches per optimizer step (``steps`` and ``rule`` count micro-batches).
+    ``freeze_at``: ``body.requires_grad_(False)`` after auto_accelerate, before that step;
+    ``unfreeze_aux_at``: ``aux`` frozen before auto_accelerate and unfrozen before that step."""
     from torch.distributed.fsdp import FSDPModule
+
+    model = BranchNet()
+    if unfreeze_aux_at is not None:
+        model.aux.requires_grad_(False)
 
     hidden = FSDPModule.__dict__.get("set_reduce_scatter_unused_params") if older_torch_fsdp else None
     if hidden is not None:
         delattr(FSDPModule, "set_reduce_scatter_unused_params")
     try:
-        res = torchloom.auto_accelerate(BranchNet(), torch.optim.SGD, None, LOSSES[loss], strategy=strategy,
-                                        optim_args={"lr": LR})
+        data = {"batch_size": 4 * accum * dist.get_world_size(), "micro_batch_size": 4} if accum > 1 else None
+        res = torchloom.auto_accelerate(model, torch.optim.SGD, None, LOSSES[loss], strategy=strategy,
+                                        optim_args={"lr": LR}, dataloader_args=data)
+        assert res.grad_accum_steps == accum
     finally:
         if hidden is not None:
             FSDPModule.set_reduce_scatter_unused_params = hidden
@@ -88,10 +102,15 @@ def train_branch_net(strategy, steps: int, rule: str, loss: str, plain_loop: boo
     try:
         for s in range(steps):
             b = rank_batch(s, rank, rule)
-            if plain_loop:
+            if s == freeze_at:
+                model.body.requires_grad_(False)
+            if s == unfreeze_aux_at:
+                model.aux.requires_grad_(True)
+            if plain_loop:  # backward on every micro-batch (no no_sync), a step every ``accum``
                 LOSSES[loss](b, res.model(b)).backward()
-                res.optimizer.step()
-                res.optimizer.zero_grad()
+                if (s + 1) % accum == 0:
+                    res.optimizer.step()
+                    res.optimizer.zero_grad()
             else:
                 res.train_step(b)
             done += 1

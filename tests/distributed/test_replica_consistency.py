@@ -48,6 +48,16 @@ UNUSED_2 = {
     "branch_rank0_zero2": dict(strategy=["zero2"], steps=3, rule="rank0", loss="both"),
     "branch_rank0_zero3_older_torch": dict(strategy=["fsdp"], steps=3, rule="rank0", loss="both",
                                            older_torch_fsdp=True),
+    # requires_grad changed after DDP was built (DDP fixed its parameter list then)
+    "freeze_after_wrap": dict(strategy=["ddp"], steps=4, rule="always", loss="both", freeze_at=2),
+    "freeze_after_wrap_find_unused": dict(strategy=[("ddp", {"find_unused_parameters": True})], steps=4,
+                                          rule="always", loss="both", freeze_at=2),
+    "unfreeze_after_wrap": dict(strategy=["ddp"], steps=3, rule="always", loss="both", unfreeze_aux_at=1),
+    # accumulation (no_sync): the branch runs on micro-batch 0 of each window, not on the last (1)
+    "branch_not_on_last_micro_batch": dict(strategy=["ddp"], steps=4, rule="even_steps", loss="both", accum=2),
+    # a plain loop, backward on every micro-batch without no_sync: micro-batch 0 leaves the branch unreduced
+    "branch_not_on_first_micro_batch_plain_loop": dict(strategy=["ddp"], steps=4, rule="odd_steps", loss="both",
+                                                       accum=2, plain_loop=True),
 }
 
 REPLICA_2 = {
@@ -234,3 +244,57 @@ def test_check_replicas_every_off_is_0_or_none_in_both_apis():
     for bad in ("true", "-1"):
         with pytest.raises(ConfigError, match="check_replicas_every"):
             TrainConfig.load(None, [f"train.check_replicas_every={bad}"])
+
+
+@pytest.mark.distributed
+def test_requires_grad_changed_after_ddp_was_built_is_named():
+    """Freezing (or unfreezing) a parameter after auto_accelerate under DDP. Before the fix, freezing ``body``
+    before step 2 raised "2 of 6 trainable parameters got no gradient on rank 0 (branch.weight, branch.bias)
+    ... the set of used parameters changes", naming the wrong (used) parameters and not the cause, and
+    unfreezing ``aux`` stepped it on each rank's own gradient, silently (DDP never reduces it)."""
+    outs = _launch(2)
+    for r in outs:
+        o = outs[r][0]["freeze_after_wrap"]
+        assert o["steps"] == 2 and o["error"][0] == "GradientSyncError", o["error"]
+        msg = o["error"][1]
+        assert "requires_grad=True when DDP was built" in msg and "(body.weight, body.bias)" in msg, msg
+        assert "before auto_accelerate" in msg and "fsdp" in msg and "find_unused_parameters" in msg, msg
+        assert "branch" not in msg, msg
+        _close(o["params"], reference_branch_net(2, 2, "always", "both"), what="freeze_after_wrap")
+        o = outs[r][0]["unfreeze_after_wrap"]
+        assert o["steps"] == 1 and o["error"][0] == "GradientSyncError", o["error"]
+        assert "requires_grad=False when DDP was built" in o["error"][1] and "(aux.weight, aux.bias)" in o["error"][1]
+    # find_unused_parameters: DDP skips the frozen body; the run matches the reference frozen at step 2
+    # (atol 1e-6; training body on through steps 2-3 moves it by > 1e-3, asserted)
+    o = outs[0][0]["freeze_after_wrap_find_unused"]
+    assert o["error"] is None and o["steps"] == 4, o["error"]
+    want = reference_branch_net(4, 2, "always", "both", freeze_at=2)
+    _close(o["params"], want, what="find_unused freeze")
+    assert _far(reference_branch_net(4, 2, "always", "both"), want) > 1e-3
+    _same_on_all_ranks(outs, "freeze_after_wrap_find_unused")
+
+
+@pytest.mark.distributed
+def test_parameter_unused_on_the_last_micro_batch_of_a_window():
+    """Accumulation under no_sync: only the last micro-batch's backward is reduced. ``branch`` trains on
+    micro-batch 0 but not on micro-batch 1; before the fix the message said it "got no gradient" and
+    suggested freezing it."""
+    outs = _launch(2)
+    init = {k: v.detach().clone() for k, v in BranchNet().state_dict().items()}
+    for r in outs:
+        o = outs[r][0]["branch_not_on_last_micro_batch"]
+        assert o["steps"] == 1 and o["error"][0] == "GradientSyncError", o["error"]
+        msg = o["error"][1]
+        assert "earlier micro-batch" in msg and "(branch.weight, branch.bias)" in msg, msg
+        assert "only the last micro-batch's backward runs outside no_sync" in msg and "find_unused_parameters" in msg, msg
+        assert "got no gradient" not in msg, msg
+        for k, v in init.items():
+            assert torch.equal(o["params"][k], v), k
+    # a plain loop: DDP's next forward would raise "Expected to have finished reduction in the prior
+    # iteration ... Parameter indices which did not receive grad for rank 0: 2 3"; named before it
+    for r in outs:
+        o = outs[r][0]["branch_not_on_first_micro_batch_plain_loop"]
+        assert o["steps"] == 1 and o["error"][0] == "GradientSyncError", o["error"]
+        assert "(branch.weight, branch.bias)" in o["error"][1] and "find_unused_parameters" in o["error"][1], o
+        for k, v in init.items():
+            assert torch.equal(o["params"][k], v), k

@@ -4,12 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..parallel.buffers import install_buffer_sync, running_stat_buffers
 from ..parallel.comm_hooks import register_comm_hook
-from ..parallel.unused_params import check_ddp_reduced
+from ..parallel.unused_params import check_ddp_reduced, record_ddp_params
 from ..strategy.registry import Method, Stage, register_method
 
 
@@ -74,6 +75,7 @@ class DDP(Method):
                 gradient_as_bucket_view=c.gradient_as_bucket_view,
                 **_buffer_sync_kwargs(broadcast),
             )
+            record_ddp_params(model)  # DDP fixes its parameter list now; later requires_grad changes are caught
             notes.append(register_comm_hook(model, c.comm_hook, group, c.powersgd_rank, c.powersgd_start_iter))
             return model
 
@@ -92,8 +94,10 @@ class ReductionGuard:
     and ``find_unused_parameters=False``, or a static graph whose used set changed), with
     :class:`~torchloom.errors.GradientSyncError` naming them; see ``torchloom.parallel.unused_params``.
 
-    Runs as ``train_step``'s first pre-step hook and as an optimizer step pre-hook (for loops that call
-    ``loss.backward(); optimizer.step()`` themselves); a flag read per step.
+    Runs as ``train_step``'s first pre-step hook, as an optimizer step pre-hook (for loops that call
+    ``loss.backward(); optimizer.step()`` themselves) and as a DDP forward pre-hook (a loop that runs
+    backward on every micro-batch without ``no_sync`` meets the unreduced buckets at the next forward); a
+    flag read per step and forward.
     """
 
     def __init__(self):
@@ -102,11 +106,19 @@ class ReductionGuard:
 
     def attach(self, ctx) -> None:
         self.models = [m for part in ctx.model_parts for m in part.modules() if isinstance(m, DistributedDataParallel)]
+        for m in self.models:  # a loop that runs backward again before stepping: before DDP's own raw error
+            m.register_forward_pre_hook(self._before_forward)
         ctx.optimizer.register_step_pre_hook(lambda *_: self.check())
         ctx.optimizer.register_step_post_hook(lambda *_: self._stepped())
 
     def check(self, *_params) -> None:
         check_ddp_reduced(self.models, self.steps, dist.get_rank())
+
+    def _before_forward(self, module, _args) -> None:
+        """A previous backward that left buckets unreduced makes DDP's next forward raise "Expected to have
+        finished reduction in the prior iteration" with parameter indices; name the parameters instead."""
+        if torch.is_grad_enabled():
+            check_ddp_reduced([module], self.steps, dist.get_rank())
 
     def _stepped(self) -> None:
         self.steps += 1

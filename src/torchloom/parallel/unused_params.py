@@ -47,39 +47,79 @@ def list_names(names: list[str], show: int = _SHOW) -> str:
     return head + (f" ... and {len(names) - show} more" if len(names) > show else "")
 
 
-def ddp_reducer_names(ddp: DistributedDataParallel) -> list[str]:
-    """FQNs of the parameters DDP's reducer tracks, in its index order (as
+def _current_reducer_params(ddp: DistributedDataParallel) -> list[tuple[str, nn.Parameter]]:
+    """``(FQN, parameter)`` DDP's reducer would track if built now, in its index order (as
     ``DistributedDataParallel._build_params_for_reducer`` lists them: trainable, not ignored, deduplicated)."""
     ignored = getattr(ddp, "parameters_to_ignore", set()) or set()
-    seen, names = set(), []
+    seen, out = set(), []
     for mod_name, mod in ddp.module.named_modules():
         for p_name, p in mod.named_parameters(recurse=False):
             fqn = f"{mod_name}.{p_name}" if mod_name else p_name
             if not p.requires_grad or fqn in ignored or id(p) in seen:
                 continue
             seen.add(id(p))
-            names.append(clean_name(fqn))
-    return names
+            out.append((clean_name(fqn), p))
+    return out
+
+
+def record_ddp_params(ddp: DistributedDataParallel) -> None:
+    """Remember the parameters DDP's reducer was built with (right after ``DistributedDataParallel(...)``).
+
+    DDP fixes that list at construction (torch keeps it only inside the C++ reducer): a parameter frozen
+    later is still waited for, one unfrozen later is never all-reduced. :func:`check_ddp_reduced` compares
+    the record with the parameters' ``requires_grad`` now, and maps the reducer's indices to names with it.
+    """
+    params = _current_reducer_params(ddp)
+    ddp._torchloom_reducer_params = params
+    ddp._torchloom_not_reduced = [(n, p) for n, p in ((clean_name(n), p) for n, p in ddp.module.named_parameters())
+                                  if all(p is not q for _, q in params)]
+
+
+def _reducer_params(ddp: DistributedDataParallel) -> list[tuple[str, nn.Parameter]]:
+    recorded = getattr(ddp, "_torchloom_reducer_params", None)
+    return recorded if recorded is not None else _current_reducer_params(ddp)
+
+
+def ddp_reducer_names(ddp: DistributedDataParallel) -> list[str]:
+    """FQNs of the parameters DDP's reducer tracks, in its index order: as recorded at wrap time
+    (:func:`record_ddp_params`), else as ``_build_params_for_reducer`` would list them now."""
+    return [n for n, _ in _reducer_params(ddp)]
+
+
+def requires_grad_changed(ddp: DistributedDataParallel) -> tuple[list[str], list[str]]:
+    """``(frozen, unfrozen)``: names of parameters whose ``requires_grad`` changed since DDP was built
+    (needs :func:`record_ddp_params`; both empty otherwise). ``unfrozen`` lists only those that have a
+    gradient (so DDP's missing all-reduce matters)."""
+    if getattr(ddp, "_torchloom_reducer_params", None) is None:
+        return [], []
+    frozen = [n for n, p in ddp._torchloom_reducer_params if not p.requires_grad]
+    unfrozen = [n for n, p in ddp._torchloom_not_reduced if p.requires_grad and p.grad is not None]
+    return frozen, unfrozen
 
 
 def _unreduced_names(ddp: DistributedDataParallel, message: str) -> list[str]:
     """Names of the parameters the reducer is still waiting for: its error lists their indices."""
     names = ddp_reducer_names(ddp)
-    m = re.search(r"did not receive grad for rank \d+:\s*([\d ]+)", message)
-    if m:
-        idx = [int(i) for i in m.group(1).split()]
-        if all(i < len(names) for i in idx):
-            return [names[i] for i in idx]
+    idx = reducer_indices(message)
+    if idx and all(i < len(names) for i in idx):
+        return [names[i] for i in idx]
     # another message layout: the trainable parameters without a gradient (zero_grad(set_to_none=True))
     return [clean_name(n) for n, p in ddp.module.named_parameters() if p.requires_grad and p.grad is None]
 
 
+def reducer_indices(message: str) -> list[int]:
+    """The parameter indices in DDP's "did not receive grad for rank N: i j ..." message ([] if absent)."""
+    m = re.search(r"did not receive grad for rank \d+:\s*([\d ]+)", message)
+    return [int(i) for i in m.group(1).split()] if m else []
+
+
 def check_ddp_reduced(models: Iterable[nn.Module], optimizer_step: int, rank: int) -> None:
-    """Raise :class:`GradientSyncError` if a DDP model's last backward did not all-reduce every bucket.
+    """Raise :class:`GradientSyncError` if a DDP model's last backward did not all-reduce every bucket, or
+    a parameter unfrozen after DDP was built got a gradient DDP never all-reduces.
 
     Call after the (last) backward of an optimizer step and before anything uses the gradients. Costs a flag
-    read (``Reducer._check_reducer_finalized``); models that are not DDP, and backward passes under
-    ``no_sync()``, are skipped.
+    read (``Reducer._check_reducer_finalized``) plus a ``requires_grad`` read per parameter that was frozen
+    when DDP was built; models that are not DDP, and backward passes under ``no_sync()``, are skipped.
 
     Args:
         models: the modules to check (DDP ones are checked).
@@ -87,8 +127,9 @@ def check_ddp_reduced(models: Iterable[nn.Module], optimizer_step: int, rank: in
         rank: this process's global rank, for the message.
 
     Raises:
-        GradientSyncError: names the parameters that got no gradient on this rank and the DDP options that
-            fix it. Raised before the optimizer step, so the parameters are still the same on every rank.
+        GradientSyncError: names the parameters that got no gradient on this rank (or whose
+            ``requires_grad`` changed after DDP was built) and the fix. Raised before the optimizer step, so
+            the parameters are still the same on every rank.
     """
     for m in models:
         if not isinstance(m, DistributedDataParallel):
@@ -97,11 +138,43 @@ def check_ddp_reduced(models: Iterable[nn.Module], optimizer_step: int, rank: in
             m._check_reducer_finalized()
         except RuntimeError as e:
             raise GradientSyncError(_ddp_message(m, str(e), optimizer_step, rank)) from None
+        _, unfrozen = requires_grad_changed(m)
+        if unfrozen:
+            raise GradientSyncError(_changed_message(unfrozen, "False", "True", rank))
+
+
+def _changed_message(names: list[str], was: str, now: str, rank: int) -> str:
+    what = ("DDP waits for their gradients, which never come, so it did not all-reduce the gradient buckets "
+            "that hold them" if was == "True" else "DDP never all-reduces their gradients, so each rank would "
+            "step them on its own gradient and the replicas would differ")
+    return (f"ddp: {len(names)} parameters had requires_grad={was} when DDP was built (auto_accelerate) and have "
+            f"requires_grad={now} now on rank {rank} ({list_names(names)}). DDP fixes its parameter list at "
+            f"construction: {what}. torchloom stopped before the optimizer step (the parameters are still "
+            "the same on every rank). Fix one of: (1) set requires_grad before auto_accelerate (build a new "
+            "result to change it later); (2) use 'fsdp', which reads requires_grad at every step; (3) for "
+            "freezing only, ('ddp', {'find_unused_parameters': True}) lets DDP skip parameters without a gradient.")
 
 
 def _ddp_message(ddp: DistributedDataParallel, raw: str, step: int, rank: int) -> str:
+    frozen, _ = requires_grad_changed(ddp)
+    if frozen:
+        return _changed_message(frozen, "True", "False", rank)
     names = _unreduced_names(ddp, raw)
     total = len(ddp_reducer_names(ddp))
+    by_name = dict(_reducer_params(ddp))
+    # a (nonzero) gradient from an earlier micro-batch of this optimizer step but none from the last backward:
+    # the parameter trains, so "got no gradient" / "freeze it" would be wrong
+    earlier = [n for n in names if n in by_name and by_name[n].grad is not None
+               and bool(by_name[n].grad.detach().abs().sum() > 0)]
+    if earlier:
+        return (f"ddp: at optimizer step {step}, {len(earlier)} of {total} trainable parameters got a gradient from "
+                f"an earlier micro-batch of this optimizer step but none from the last backward, on rank {rank} "
+                f"({list_names(earlier)}). Every backward outside no_sync all-reduces and waits for every trainable "
+                "parameter (with gradient accumulation in train_step only the last micro-batch's backward runs "
+                "outside no_sync), so a parameter unused in that backward leaves its bucket unreduced although it "
+                "trains on other micro-batches; stepping would make the replicas differ. torchloom stopped before "
+                "the optimizer step (the parameters are still the same on every rank). Use ('ddp', "
+                "{'find_unused_parameters': True}); do not freeze these parameters, they train.")
     head = (f"ddp: at optimizer step {step}, {len(names)} of {total} trainable parameters got no gradient on rank "
             f"{rank} ({list_names(names) or 'unknown'}), so DDP did not all-reduce the gradient buckets that hold "
             "them; stepping would make the replicas differ. torchloom stopped before the optimizer step (the "
