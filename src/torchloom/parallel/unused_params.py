@@ -6,7 +6,10 @@ its gradient; a parameter the loss does not depend on keeps its bucket (and ever
 all-reduced. ``backward()`` still returns, so the optimizer steps on the local, unreduced gradients and
 the replicas differ; PyTorch reports it only at the next forward ("Expected to have finished reduction in
 the prior iteration"). :func:`check_ddp_reduced` asks the reducer right after backward, before anything
-steps, and names the parameters.
+steps, and names the parameters. DDP also fixes its parameter list at construction;
+:func:`record_ddp_params` keeps a copy, so a ``requires_grad`` changed later is named as the cause (and the
+reducer's indices map to the right names), and a DDP forward pre-hook (``methods.ddp.ReductionGuard``)
+catches unreduced buckets left by a loop that runs backward again before stepping.
 
 FSDP2 reduce-scatters, per unit, only the parameters that have a gradient on this rank. When a branch is
 taken on some ranks and not on others, the ranks reduce different tensors: gloo aborts ("Received data
