@@ -72,10 +72,11 @@ def record_ddp_params(ddp: DistributedDataParallel) -> None:
     later is still waited for, one unfrozen later is never all-reduced. :func:`check_ddp_reduced` compares
     the record with the parameters' ``requires_grad`` now, and maps the reducer's indices to names with it.
     """
-    params = _current_reducer_params(ddp)
-    ddp._torchloom_reducer_params = params
-    ddp._torchloom_not_reduced = [(n, p) for n, p in ((clean_name(n), p) for n, p in ddp.module.named_parameters())
-                                  if all(p is not q for _, q in params)]
+    ddp._torchloom_reducer_params = _current_reducer_params(ddp)
+    ignored = getattr(ddp, "parameters_to_ignore", set()) or set()
+    # frozen at wrap time (parameters DDP was told to ignore are not DDP's to reduce)
+    ddp._torchloom_not_reduced = [(clean_name(n), p) for n, p in ddp.module.named_parameters()
+                                  if not p.requires_grad and n not in ignored]
 
 
 def _reducer_params(ddp: DistributedDataParallel) -> list[tuple[str, nn.Parameter]]:
