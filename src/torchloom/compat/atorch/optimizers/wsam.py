@@ -1,0 +1,129 @@
+"""``atorch.optimizers.wsam.WeightedSAM`` on torchloom's :class:`torchloom.optim.WSAM`.
+
+ATorch's call form ``WeightedSAM(model, base_optimizer, rho=0.05, gamma=0.9, sam_eps=1e-12,
+adaptive=False, decouple=True, max_norm=None)``, its exception types for invalid arguments, its gradient
+clipping (each pass's gradient separately) and its gradient averaging over the world. docs/compat_atorch.md,
+section "Optimizers", lists every difference from ATorch.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ....optim.wsam import WSAM as _NativeWSAM
+from ....optim.wsam import _average_replicated, _check_hyperparameters
+
+__all__ = ("WeightedSAM",)
+
+
+class WeightedSAM(_NativeWSAM):
+    r"""ATorch's WeightedSAM (Yue et al., KDD 2023) with torchloom's update.
+
+    Args:
+        model: the model (ATorch: a DDP model is recommended, so that ``model.no_sync()`` works in the first
+            pass); its parameters that require gradients are optimised.
+        base_optimizer: the base optimizer built over the model's parameters (as in ATorch), or, beyond
+            ATorch, an optimizer class or factory (then ``**kwargs`` are its arguments).
+        rho: perturbation radius (>= 0). gamma: sharpness weight, ``alpha = gamma / (1 - gamma)``, in [0, 1).
+        sam_eps: added to the gradient norm. adaptive: ASAM's perturbation. decouple: decoupled sharpness step.
+        max_norm: as ATorch: the first-pass gradient (after the perturbation is computed) and the second-pass
+            gradient are each clipped to this global L2 norm over ``model.parameters()``; None: no clipping.
+
+    As in ATorch, when ``torch.distributed`` is initialised (world size > 1) the first-pass gradients are
+    averaged over the world after the perturbation (so the first backward may run under ``no_sync``:
+    per-replica perturbation, SAM's m-sharpness), and the second-pass gradients are averaged again.
+    ``step(closure)`` runs both passes and returns the first pass's loss.
+
+    Raises:
+        AssertionError: ``rho < 0`` (ATorch's message "Invalid rho, should be non-negative: ..."), and
+            :meth:`step` without a closure and without a pending :meth:`first_step`.
+        ZeroDivisionError: ``gamma == 1`` (ATorch: ``alpha = gamma / (1 - gamma)``).
+        ValueError: ``gamma`` outside [0, 1), ``sam_eps < 0``, ``max_norm <= 0`` (ATorch accepts these
+            silently; see docs/compat_atorch.md).
+        TypeError: ``**kwargs`` with a built base optimizer (ATorch ignores them).
+    """
+
+    def __init__(self, model: nn.Module, base_optimizer: Any, rho: float = 0.05, gamma: float = 0.9,
+                 sam_eps: float = 1e-12, adaptive: bool = False, decouple: bool = True,
+                 max_norm: float | None = None, **kwargs: Any) -> None:
+        if not rho >= 0.0:
+            raise AssertionError(f"Invalid rho, should be non-negative: {rho}")
+        if gamma == 1:
+            raise ZeroDivisionError("WeightedSAM: gamma=1 makes alpha = gamma / (1 - gamma) infinite; use gamma "
+                                    "in [0, 1) (0.9 is ATorch's default, 0.5 is SAM).")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"WeightedSAM's first argument is the model (an nn.Module), as in ATorch; got "
+                            f"{type(model).__name__}. For parameters or groups use torchloom.optim.WSAM.")
+        _check_hyperparameters(rho, gamma, sam_eps, max_norm)
+        # the native class clips once, the gradient the base optimizer steps on; ATorch's clipping is done
+        # here (first_step/second_step), so the native max_norm stays None
+        super().__init__(model, base_optimizer, rho=rho, gamma=gamma, sam_eps=sam_eps, adaptive=adaptive,
+                         decouple=decouple, max_norm=None, **kwargs)
+        self.max_norm = max_norm
+
+    @torch.no_grad()
+    def first_step(self, zero_grad: bool = False, replica_group: dist.ProcessGroup | None = None) -> None:
+        """Perturb the weights by ``e`` computed from the current (this replica's) gradients, average the
+        gradients over ``replica_group`` (default: the world when ``torch.distributed`` is initialised, as
+        ATorch), clip them to ``max_norm`` and keep them as the first-pass gradient ``g``."""
+        if replica_group is None and self._average_over_world():
+            replica_group = dist.group.WORLD
+        super().first_step(zero_grad=False, replica_group=replica_group)
+        if self.max_norm is not None:
+            self._clip_gradients(self.max_norm)
+            for p, saved in self._saved.items():
+                saved[1].copy_(p.grad)
+        if zero_grad:
+            self.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def second_step(self, zero_grad: bool = False, max_norm: float | None = None) -> None:
+        """Average the second-pass gradients ``g~`` over the world (ATorch, when ``torch.distributed`` is
+        initialised), clip them to ``max_norm`` (``max_norm`` overrides the constructor's for this step), then
+        restore the weights and update as :meth:`torchloom.optim.WSAM.second_step`."""
+        if not self._saved:
+            return super().second_step(zero_grad=zero_grad)  # raises: no first_step
+        if self._average_over_world():
+            _average_replicated([p for p in self._saved if p.grad is not None], dist.group.WORLD)
+        clip = self.max_norm if max_norm is None else max_norm
+        if clip is not None:
+            self._clip_gradients(clip)
+        own, self.max_norm = self.max_norm, None  # the native step must not clip a second time
+        try:
+            super().second_step(zero_grad=zero_grad)
+        finally:
+            self.max_norm = own
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, *, max_norm: float | None = None) -> Any:
+        """``step(closure)``: both passes, returning the first pass's loss (ATorch's form). Without a closure:
+        :meth:`second_step` after a :meth:`first_step` (beyond ATorch), or a base-optimizer step when every
+        gradient is zero (how ``torch.distributed.checkpoint`` initialises state).
+
+        Raises:
+            AssertionError: no closure, no pending :meth:`first_step` and non-zero gradients (ATorch's type).
+        """
+        if closure is None and not self._saved and not self._all_gradients_zero():
+            raise AssertionError("Sharpness Aware Minimization requires closure, but it was not provided: call "
+                                 "optimizer.step(closure) with a closure that computes the loss and calls "
+                                 "backward(), or first_step() / a backward pass at the perturbed weights / "
+                                 "second_step().")
+        return super().step(closure, max_norm=max_norm)
+
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """ATorch: ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``; kept in
+        ``last_grad_norm`` (the norm before clipping)."""
+        self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return self.last_grad_norm
+
+    def _average_over_world(self) -> bool:
+        """ATorch averages plain gradients over the world whenever ``torch.distributed`` is initialised;
+        DTensor gradients (FSDP2, tensor parallel) are already reduced over their mesh."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return False
+        return not any(isinstance(p.grad, DTensor) for g in self.param_groups for p in g["params"])
+
