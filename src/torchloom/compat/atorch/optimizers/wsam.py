@@ -114,6 +114,17 @@ class WeightedSAM(_NativeWSAM):
                                  "second_step().")
         return super().step(closure, max_norm=max_norm)
 
+    def _perturbation_norm(self) -> torch.Tensor:
+        """ATorch's norm: ``||g||`` (``||w * g||`` in adaptive groups) in the gradients' dtype (the native
+        norm is fp32, which for float64 models differs from ATorch by about 1e-8 relative). DTensor gradients:
+        the native global norm over every shard."""
+        grads = [((p.abs() * p.grad) if group["adaptive"] else p.grad)
+                 for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not grads or any(isinstance(g, DTensor) for g in grads):
+            return super()._perturbation_norm()
+        device = grads[0].device
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).to(device) for g in grads]))
+
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
         """ATorch: ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``; kept in
         ``last_grad_norm`` (the norm before clipping)."""
