@@ -314,3 +314,97 @@ def test_wsam_two_step_ddp_perturbs_per_replica_and_averages_2ranks(max_norm):
     for rank_out in outs:
         for got, want in zip(rank_out, per_replica):
             torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-13)
+
+
+def _wsam_run(model, base, steps, x, y, **kw):
+    opt = WeightedSAM(model, base, rho=0.1, gamma=0.8, **kw)
+    for _ in range(steps):
+        opt.step(lambda: torch.nn.functional.mse_loss(model(x), y).backward())
+        opt.zero_grad()
+    return opt
+
+
+def _atorch_groups(sd):
+    """A state dict's groups as ATorch writes them: ``alpha = gamma / (1 - gamma)`` instead of ``gamma``."""
+    sd = copy.deepcopy(sd)
+    for g in sd["param_groups"]:
+        gamma = g.pop("gamma")
+        g["alpha"] = gamma / (1.0 - gamma)
+    return sd
+
+
+def test_wsam_resumes_from_atorch_base_optimizer_checkpoint():
+    """ATorch's examples save ``base_optimizer.state_dict()`` (its groups carry WSAM's keys, with ``alpha``).
+    Loaded into the base optimizer before or after WeightedSAM is built, the run continues as uninterrupted."""
+    x, y = _batch()
+    model = _mlp()
+    _wsam_run(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 4, x, y)
+    want = [p.detach().clone() for p in model.parameters()]
+    for order in ("before", "after"):
+        model = _mlp()
+        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        _wsam_run(model, base, 2, x, y)
+        sd = _atorch_groups(base.state_dict())
+        assert "gamma" not in sd["param_groups"][0] and sd["param_groups"][0]["alpha"] == pytest.approx(4.0)
+        resumed_model = copy.deepcopy(model)
+        new_base = torch.optim.SGD(resumed_model.parameters(), lr=0.5, momentum=0.9)
+        if order == "before":
+            new_base.load_state_dict(sd)
+            opt = WeightedSAM(resumed_model, new_base, rho=0.1, gamma=0.3)  # the checkpoint's alpha wins (ATorch)
+        else:
+            opt = WeightedSAM(resumed_model, new_base, rho=0.1, gamma=0.8)
+            new_base.load_state_dict(sd)  # replaces the base's groups and state
+        for _ in range(2):
+            opt.step(lambda: torch.nn.functional.mse_loss(resumed_model(x), y).backward())
+            opt.zero_grad()
+        assert opt.param_groups is new_base.param_groups and "alpha" not in opt.param_groups[0]
+        for p, w in zip(resumed_model.parameters(), want):
+            torch.testing.assert_close(p.detach(), w, rtol=1e-12, atol=1e-14, msg=lambda m: f"{order}: {m}")
+
+
+def test_wsam_loads_atorch_weighted_sam_state_dict():
+    """ATorch's ``WeightedSAM.state_dict()``: state ``e_w``/``grad``/``sharpness`` (last step's values, dropped)
+    and groups with ``alpha``; the base optimizer's moments come from its own state dict, as in ATorch."""
+    x, y = _batch()
+    model = _mlp()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = _wsam_run(model, base, 2, x, y)
+    base_sd = copy.deepcopy(base.state_dict())  # state_dict() holds the live buffers
+    atorch_sd = _atorch_groups(opt.state_dict())
+    atorch_sd["state"] = {i: {"e_w": torch.ones(3), "grad": torch.ones(3), "sharpness": torch.ones(3)}
+                          for i in atorch_sd["state"]}
+    resumed_model = copy.deepcopy(model)
+    new_base = torch.optim.SGD(resumed_model.parameters(), lr=0.1, momentum=0.9)
+    new_base.load_state_dict(copy.deepcopy(base_sd))
+    resumed = WeightedSAM(resumed_model, new_base, rho=0.1, gamma=0.5)
+    resumed.load_state_dict(atorch_sd)
+    assert resumed.param_groups[0]["gamma"] == pytest.approx(0.8)
+    assert all("e_w" not in s for s in resumed.state.values())
+    assert resumed.state == {} and new_base.state == {}  # ATorch's WeightedSAM state dict has no moments
+    new_base.load_state_dict(copy.deepcopy(base_sd))  # the moments, as ATorch users load them
+    for o, m in ((opt, model), (resumed, resumed_model)):
+        for _ in range(2):
+            o.step(lambda m=m: torch.nn.functional.mse_loss(m(x), y).backward())
+            o.zero_grad()
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_wsam_group_alpha_set_during_training_is_used():
+    """ATorch reads ``group["alpha"]`` at every step; setting it (e.g. a schedule on alpha) takes effect."""
+    x, y = _batch()
+    finals = []
+    for how in ("alpha", "gamma"):
+        model = _mlp()
+        opt = _wsam_run(model, torch.optim.SGD(model.parameters(), lr=0.1), 1, x, y)
+        if how == "alpha":
+            opt.param_groups[0]["alpha"] = 1.0
+        else:
+            opt.param_groups[0]["gamma"] = 0.5
+        _ = [opt.step(lambda: torch.nn.functional.mse_loss(model(x), y).backward()) for _ in range(2)]
+        finals.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*finals):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="alpha=-1"):
+        opt.param_groups[0]["alpha"] = -1.0
+        opt.step(lambda: torch.nn.functional.mse_loss(model(x), y).backward())

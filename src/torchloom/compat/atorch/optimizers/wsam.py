@@ -7,6 +7,7 @@ section "Optimizers", lists every difference from ATorch.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -18,6 +19,9 @@ from ....optim.wsam import WSAM as _NativeWSAM
 from ....optim.wsam import _average_replicated, _check_hyperparameters
 
 __all__ = ("WeightedSAM",)
+
+#: ATorch's WeightedSAM state per parameter: values of the last step only, recomputed at every step
+_ATORCH_STEP_STATE = ("e_w", "grad", "sharpness")
 
 
 class WeightedSAM(_NativeWSAM):
@@ -64,6 +68,7 @@ class WeightedSAM(_NativeWSAM):
         super().__init__(model, base_optimizer, rho=rho, gamma=gamma, sam_eps=sam_eps, adaptive=adaptive,
                          decouple=decouple, max_norm=None, **kwargs)
         self.max_norm = max_norm
+        self._sync_with_base()  # groups of an ATorch checkpoint loaded into the base optimizer carry "alpha"
 
     @torch.no_grad()
     def first_step(self, zero_grad: bool = False, replica_group: dist.ProcessGroup | None = None) -> None:
@@ -72,6 +77,7 @@ class WeightedSAM(_NativeWSAM):
         ATorch), clip them to ``max_norm`` and keep them as the first-pass gradient ``g``."""
         if replica_group is None and self._average_over_world():
             replica_group = dist.group.WORLD
+        self._sync_with_base()
         super().first_step(zero_grad=False, replica_group=replica_group)
         if self.max_norm is not None:
             self._clip_gradients(self.max_norm)
@@ -113,6 +119,36 @@ class WeightedSAM(_NativeWSAM):
                                  "backward(), or first_step() / a backward pass at the perturbed weights / "
                                  "second_step().")
         return super().step(closure, max_norm=max_norm)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load this class's, the native WSAM's, the base optimizer's or ATorch's ``WeightedSAM.state_dict()``.
+
+        ATorch's format keeps per-step values (``e_w``, ``grad``, ``sharpness``) as the state, which every step
+        recomputes: they are dropped (as in ATorch, the base optimizer's moments are in the base optimizer's
+        own state dict); its groups' ``alpha`` becomes ``gamma = alpha / (1 + alpha)``.
+        """
+        state_dict = dict(state_dict)
+        state_dict["state"] = {k: {n: v for n, v in s.items() if n not in _ATORCH_STEP_STATE}
+                               for k, s in state_dict["state"].items()}
+        state_dict["state"] = {k: s for k, s in state_dict["state"].items() if s}
+        super().load_state_dict(state_dict)
+        self._sync_with_base()
+
+    def _sync_with_base(self) -> None:
+        """Share the base optimizer's groups and state again (``base_optimizer.load_state_dict`` replaces them,
+        as ATorch's examples do to resume), fill WSAM's options missing from a group, and take ATorch's group
+        key ``alpha`` (the sharpness weight ATorch reads at every step) as ``gamma = alpha / (1 + alpha)``."""
+        base = self.base_optimizer
+        self.param_groups, self.state = base.param_groups, base.state
+        for group in self.param_groups:
+            if "alpha" in group:
+                alpha = group.pop("alpha")
+                if not (alpha >= 0 and math.isfinite(alpha)):
+                    raise ValueError(f"WeightedSAM: a parameter group has alpha={alpha}; ATorch's alpha = gamma / "
+                                     f"(1 - gamma) must be >= 0 (gamma in [0, 1)).")
+                group["gamma"] = alpha / (1.0 + alpha)
+            for key in ("rho", "gamma", "sam_eps", "adaptive"):
+                group.setdefault(key, self.defaults[key])
 
     def _perturbation_norm(self) -> torch.Tensor:
         """ATorch's norm: ``||g||`` (``||w * g||`` in adaptive groups) in the gradients' dtype (the native
