@@ -200,6 +200,10 @@ def test_wsam_matches_atorch_semantics(decouple, adaptive, max_norm):
         opt.zero_grad()
     for p, r in zip(model.parameters(), ref):
         torch.testing.assert_close(p.detach(), r, rtol=1e-11, atol=1e-13)
+    if max_norm is None:
+        assert opt.last_grad_norm is None
+    else:  # the second pass's norm before clipping (max_norm binds here)
+        assert opt.last_grad_norm is not None and float(opt.last_grad_norm) > max_norm
 
 
 def test_wsam_clipping_differs_from_native():

@@ -99,10 +99,11 @@ class WeightedSAM(_NativeWSAM):
         if clip is not None:
             self._clip_gradients(clip)
         own, self.max_norm = self.max_norm, None  # the native step must not clip a second time
+        norm = self.last_grad_norm if clip is not None else None
         try:
             super().second_step(zero_grad=zero_grad)
         finally:
-            self.max_norm = own
+            self.max_norm, self.last_grad_norm = own, norm
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, max_norm: float | None = None) -> Any:
