@@ -332,7 +332,7 @@ def test_one_process_drops_distributed_only_methods():
                          ("zero1", None, False), ("amp_native", {"dtype": "bf16"}, False)])
     status, res, best = accelerate(strategy)
     assert status and best.opt_names() == ["parallel_mode", "amp_native"]
-    assert any("ignored in the non-distributed case" in n and "fsdp" in n for n in res.args["notes"])
+    assert any("ignored in non-distributed case" in n and "fsdp" in n for n in res.args["notes"])
     assert run_train(res) == 4
     kept = Strategy([("fsdp", {"cpu_offload": True}, False), ("tensor_parallel", None, True)])
     assert kept.remove_distributed_method() == ["tensor_parallel"] and kept.opt_names() == ["fsdp"]
@@ -444,3 +444,10 @@ def test_strategy_methods():
     assert s.remove_opt("tensor_parallel") and s.opt_names() == ["amp_native", "parallel_mode"]
     assert [name for name, _, _ in s] == ["amp_native", "parallel_mode"]
     assert "parallel_mode : [('data', 2)]" in str(s)
+
+
+def test_checkpoint_class_absent_from_model_is_ignored_with_a_warning():
+    with pytest.warns(UserWarning, match="do not occur in Toy; ignored as ATorch does: nothing is checkpointed"):
+        status, res, _ = accelerate([("checkpoint", "ToyCustomModule")])
+    assert status and _checkpointed(res.model) == []
+    assert run_train(res) == 4

@@ -14,6 +14,7 @@ from ....api import auto_accelerate as native_auto_accelerate
 from ....api import plan_dims
 from ....errors import StrategyError
 from ..data import data_to_device
+from ..distributed.parallel_groups import set_current_mesh
 from ..plain_loop import AmpNativeOptimizer, cast_inputs, scaled_loss_func
 from ..strategy_io import read_strategy_bytes, to_json
 from ..strategy_map import Translation, translate
@@ -131,10 +132,9 @@ def _adjust(strategy: Strategy, world: int, finetune: bool, opt_lib=None, distri
     if not (distributed if distributed is not None else world > 1):
         removed = strategy.remove_distributed_method(opt_lib)
         if removed:
-            msg = f"these distributed optimization methods are ignored in the non-distributed case: {removed}"
-            log.info(msg)
+            log.info("These distributed optimization methods are ignored in non-distributed case: %s", removed)
             if notes is not None:
-                notes.append(msg)
+                notes.append(f"These distributed optimization methods are ignored in non-distributed case: {removed}")
     if finetune:
         strategy.reset_config()
     strategy.set_tunable_value(opt_lib)
@@ -224,8 +224,11 @@ def auto_accelerate(
     if save_strategy_to_file:
         save_strategy(strategy, save_strategy_to_file)
 
+    native_strategy = _drop_absent_classes(model, native_strategy, notes)
     if plan.limited_checkpoint is not None:
-        _checkpoint_first_blocks(model, *plan.limited_checkpoint, notes)
+        names, limit = plan.limited_checkpoint
+        present = {type(m).__name__ for m in model.modules()}
+        _checkpoint_first_blocks(model, [n for n in names if n in present], limit, notes)
     user_prepare = prepare_input if prepare_input is not None else data_to_device
     dl_args = _dataloader_args(dataloader_args, dataset, native_strategy, world, kargs)
     res = native_auto_accelerate(
@@ -242,6 +245,7 @@ def auto_accelerate(
         lr_scheduler_args=lr_scheduler_args,
     )
     notes.extend(res.notes)
+    set_current_mesh(res.mesh)
     for n in notes:
         (log.info if kargs.get("verbose") else log.debug)("auto_accelerate: %s", n)
 
@@ -341,6 +345,36 @@ def _dataloader_args(dataloader_args, dataset, native_strategy, world: int, karg
     args.setdefault("drop_last", False)
     args["seed"] = kargs.get("sampler_seed", 0) or 0
     return args
+
+
+def _drop_absent_classes(model, methods: list, notes: list) -> list:
+    """ATorch resolves class names against the model and silently drops those that do not occur in it
+    (``to_module_class_by_name``); torchloom raises. Do as ATorch, with a warning: a checkpoint left with no
+    class is dropped, an fsdp ``wrap_cls`` left empty falls back to the repeated blocks."""
+    import warnings
+
+    present = {type(m).__name__ for m in model.modules()}
+    out = []
+    for m in methods:
+        if isinstance(m, tuple) and m[0] in ("checkpoint", "fsdp") and m[1].get("wrap_cls"):
+            absent = [c for c in m[1]["wrap_cls"] if c not in present]
+            if absent:
+                kept = [c for c in m[1]["wrap_cls"] if c in present]
+                msg = (f"{m[0]}: module class(es) {absent} do not occur in {type(model).__name__}; ignored as ATorch "
+                       "does" + ("" if kept else (": nothing is checkpointed" if m[0] == "checkpoint"
+                                                  else ": the repeated blocks are the FSDP units")))
+                warnings.warn(msg, UserWarning, stacklevel=3)
+                notes.append(msg)
+                config = dict(m[1])
+                if kept:
+                    config["wrap_cls"] = kept
+                else:
+                    config.pop("wrap_cls")
+                    if m[0] == "checkpoint":
+                        continue
+                m = (m[0], config)
+        out.append(m)
+    return out
 
 
 def _checkpoint_first_blocks(model, class_names, limit: int, notes: list) -> None:

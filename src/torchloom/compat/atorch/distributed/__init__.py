@@ -8,3 +8,11 @@ from .distributed import (  # noqa: F401
     reset_distributed,
     world_size,
 )
+from .parallel_groups import (  # noqa: F401
+    get_data_partition_rank_and_size,
+    parallel_group,
+    parallel_group_size,
+    parallel_instance_index,
+    parallel_instance_num,
+    parallel_rank,
+)

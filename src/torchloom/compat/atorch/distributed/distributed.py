@@ -103,3 +103,13 @@ def is_distributed():
 def coworker_size():
     """Always 0: no coworker processes."""
     return 0
+
+
+from .parallel_groups import (  # noqa: E402,F401  (ATorch exports them from atorch.distributed.distributed)
+    get_data_partition_rank_and_size,
+    parallel_group,
+    parallel_group_size,
+    parallel_instance_index,
+    parallel_instance_num,
+    parallel_rank,
+)
