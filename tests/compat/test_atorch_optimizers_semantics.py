@@ -3,6 +3,7 @@ in-place L2 decay, WeightedSAM's per-pass clipping and world averaging), ATorch'
 ATorch's format, the README's two-step loop, and the names not provided. References: float64, written from
 the formulas (tests/compat/_atorch_optim_reference.py)."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -412,3 +413,32 @@ def test_wsam_group_alpha_set_during_training_is_used():
     with pytest.raises(ValueError, match="alpha=-1"):
         opt.param_groups[0]["alpha"] = -1.0
         opt.step(lambda: torch.nn.functional.mse_loss(model(x), y).backward())
+
+
+def test_wsam_warns_once_about_gradients_present_before_step_closure():
+    """ATorch's README computes a backward() right before step(closure); ATorch adds that gradient to the
+    first pass's, torchloom clears it (and says so, once)."""
+    x, y = _batch()
+    model = _mlp()
+    opt = WeightedSAM(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def closure():
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    closure()
+    with pytest.warns(UserWarning, match="clears the gradients present"):
+        opt.step(closure)
+    closure()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step(closure)  # checked once only
+    model2 = _mlp()
+    other = WeightedSAM(model2, torch.optim.SGD(model2.parameters(), lr=0.1))
+    closure2 = lambda: torch.nn.functional.mse_loss(model2(x), y).backward()  # noqa: E731
+    closure2()
+    other.zero_grad()  # as the warning advises
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        other.step(closure2)

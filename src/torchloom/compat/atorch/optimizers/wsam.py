@@ -8,6 +8,7 @@ section "Optimizers", lists every difference from ATorch.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -40,7 +41,8 @@ class WeightedSAM(_NativeWSAM):
     As in ATorch, when ``torch.distributed`` is initialised (world size > 1) the first-pass gradients are
     averaged over the world after the perturbation (so the first backward may run under ``no_sync``:
     per-replica perturbation, SAM's m-sharpness), and the second-pass gradients are averaged again.
-    ``step(closure)`` runs both passes and returns the first pass's loss.
+    ``step(closure)`` runs both passes and returns the first pass's loss; it clears the gradients before each
+    pass (ATorch adds those present at the call to the first pass's: a warning says so, once).
 
     Raises:
         AssertionError: ``rho < 0`` (ATorch's message "Invalid rho, should be non-negative: ..."), and
@@ -68,6 +70,7 @@ class WeightedSAM(_NativeWSAM):
         super().__init__(model, base_optimizer, rho=rho, gamma=gamma, sam_eps=sam_eps, adaptive=adaptive,
                          decouple=decouple, max_norm=None, **kwargs)
         self.max_norm = max_norm
+        self._checked_leftover_grads = False
         self._sync_with_base()  # groups of an ATorch checkpoint loaded into the base optimizer carry "alpha"
 
     @torch.no_grad()
@@ -119,6 +122,14 @@ class WeightedSAM(_NativeWSAM):
                                  "optimizer.step(closure) with a closure that computes the loss and calls "
                                  "backward(), or first_step() / a backward pass at the perturbed weights / "
                                  "second_step().")
+        if closure is not None and not self._checked_leftover_grads:
+            self._checked_leftover_grads = True  # once: the check costs a sync per gradient on a GPU
+            if any(p.grad is not None for g in self.param_groups for p in g["params"]) \
+                    and not self._all_gradients_zero():
+                warnings.warn("WeightedSAM.step(closure) clears the gradients present before the first pass (the "
+                              "closure computes them); ATorch adds them to the first pass's gradient (in its README's "
+                              "closure example, a backward() just before step(closure) doubles it). Call zero_grad() "
+                              "before step(closure) to silence this.", stacklevel=2)
         return super().step(closure, max_norm=max_norm)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
