@@ -68,8 +68,8 @@ class AGD(_NativeAGD):
         if group["win"]:  # set on a group after construction
             raise ValueError(_WIN_MESSAGE)
         if not group["weight_decouple"] and group["weight_decay"] != 0:
-            grads = [p.grad for p in params]
-            torch._foreach_add_(grads, params, alpha=group["weight_decay"])  # ATorch: grad.add_(p, alpha=wd)
+            for p in params:
+                p.grad.add_(p, alpha=group["weight_decay"])  # ATorch: grad.add_(p.data, alpha=weight_decay)
             changes["weight_decay"] = 0.0
         if group["clip"] is not None:
             beta1, beta2 = group["betas"]
