@@ -451,3 +451,11 @@ def test_checkpoint_class_absent_from_model_is_ignored_with_a_warning():
         status, res, _ = accelerate([("checkpoint", "ToyCustomModule")])
     assert status and _checkpointed(res.model) == []
     assert run_train(res) == 4
+
+
+def test_finetune_strategy_resets_configs_to_defaults():
+    s = Strategy([("parallel_mode", ([("data", 1)], None), False), ("amp_native", {"dtype": "bf16"}, False)])
+    status, res, best = accelerate(s, finetune_strategy=True)
+    assert best.opt_list == [("parallel_mode", ([("data", 1)], None), False), ("amp_native", None, False)]
+    assert isinstance(res.optim, AmpNativeOptimizer)  # the default amp_native: fp16 with loss scaling
+    assert any("finetune_strategy" in n for n in res.args["notes"])
