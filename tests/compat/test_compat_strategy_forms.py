@@ -144,6 +144,13 @@ def test_optim_param_func_groups():
     assert status and [g["weight_decay"] for g in res.optim.param_groups] == [0.01, 0.0]
     assert run_train(res) == 4
 
+    def generator_groups(model):  # ATorch's docstring form: parameters() generators, a per-group lr
+        return [{"params": model.linear.parameters()}, {"params": model.blocks.parameters(), "lr": 1e-3}]
+
+    status, res, _ = accelerate(["parallel_mode"], optim_param_func=generator_groups)
+    assert [len(g["params"]) for g in res.optim.param_groups] == [2, 6]
+    assert [g["lr"] for g in res.optim.param_groups] == [0.1, 1e-3]
+
 
 def test_lr_scheduler_built_on_the_optimizer():
     status, res, _ = accelerate(["parallel_mode"], lr_scheduler_cls=torch.optim.lr_scheduler.StepLR,

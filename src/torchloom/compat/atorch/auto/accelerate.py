@@ -312,12 +312,10 @@ def _optimizer_factory(model, optim_func, optim_param_func):
         return optim_func
 
     def factory(params, **optim_args):
-        groups = optim_param_func(model)
+        groups = _as_groups(optim_param_func(model))
         allowed = {id(p) for p in params}
-        for g in groups if isinstance(groups, (list, tuple)) else [groups]:
-            ps = g["params"] if isinstance(g, dict) else [g]
-            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-            stray = [p for p in ps if id(p) not in allowed and p.requires_grad]
+        for g in groups:
+            stray = [p for p in g["params"] if id(p) not in allowed and p.requires_grad]
             if stray:
                 raise StrategyError(
                     "optim_param_func(model) returned parameters that are not the model's trained parameters after "
@@ -327,6 +325,21 @@ def _optimizer_factory(model, optim_func, optim_param_func):
         return optim_func(groups, **optim_args)
 
     return factory
+
+
+def _as_groups(groups) -> list[dict]:
+    """``optim_param_func``'s result as a list of groups with parameter lists (generators such as
+    ``model.base.parameters()`` are read once here)."""
+    if isinstance(groups, torch.Tensor):
+        groups = [groups]
+    items = list(groups)
+    if items and not isinstance(items[0], dict):
+        return [{"params": items}]
+    out = []
+    for g in items:
+        ps = g["params"]
+        out.append({**g, "params": [ps] if isinstance(ps, torch.Tensor) else list(ps)})
+    return out
 
 
 def _dataloader_args(dataloader_args, dataset, native_strategy, world: int, kargs) -> dict[str, Any] | None:
