@@ -37,16 +37,25 @@ class RankCodes:
         self.codes = codes
         self.timeout = timeout
         self._results = None
+        self._launch_error = None
 
     def result(self, name):
         """Each rank's return value of code ``name``.
 
         Raises:
             AssertionError: the code raised on some rank (with that rank's traceback).
+            RuntimeError: the launch itself failed (a rank died or hung); every test of the group reports it,
+                and the launch is not retried.
         """
+        if self._launch_error is not None:
+            raise RuntimeError(f"{name}: the shared 2-rank launch failed") from self._launch_error
         if self._results is None:
-            self._results = run_ranks(_run_codes, WORLD_SIZE, self.codes, timeout=self.timeout,
-                                      env={"NPROC_PER_NODE": str(WORLD_SIZE)})
+            try:
+                self._results = run_ranks(_run_codes, WORLD_SIZE, self.codes, timeout=self.timeout,
+                                          env={"NPROC_PER_NODE": str(WORLD_SIZE)})
+            except RuntimeError as e:
+                self._launch_error = e
+                raise
         per_rank = [r[name] for r in self._results]
         errors = [f"rank {i}: {value}" for i, (status, value) in enumerate(per_rank) if status == "error"]
         if errors:
