@@ -13,10 +13,10 @@ global (a function, ``os.system``, a class of another package) is refused with :
 """
 from __future__ import annotations
 
-import importlib
 import io
 import json
 import pickle
+import sys
 from typing import Any
 
 import torch
@@ -127,11 +127,8 @@ def _torch_nn_class(module: str, name: str):
     """The ``torch.nn`` module class ``module.name``, or None (only torch.nn's own modules are looked at)."""
     if not (module == "torch.nn" or module.startswith("torch.nn.")) or not name.isidentifier():
         return None
-    try:
-        mod = importlib.import_module(module)  # torch.nn.* is imported with torch: nothing new runs
-    except ImportError:
-        return None
-    obj = getattr(mod, name, None)
+    mod = sys.modules.get(module)  # only modules already imported: reading a strategy imports nothing
+    obj = getattr(mod, name, None) if mod is not None else None
     return obj if isinstance(obj, type) and issubclass(obj, nn.Module) else None
 
 
