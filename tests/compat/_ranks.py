@@ -33,7 +33,7 @@ def _run_codes(codes):
 class RankCodes:
     """Codes ``{name: (fn, args, kwargs)}`` run on 2 gloo ranks in one launch, at the first :meth:`result`."""
 
-    def __init__(self, codes, timeout=300):
+    def __init__(self, codes, timeout=600):
         self.codes = codes
         self.timeout = timeout
         self._results = None
