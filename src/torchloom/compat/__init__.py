@@ -1,0 +1,1 @@
+"""Drop-in compatibility layers for other libraries' APIs (``torchloom.compat.atorch``: docs/compat_atorch.md)."""

@@ -1,0 +1,2 @@
+"""``atorch.auto``: ``auto_accelerate`` and the strategy."""
+from .accelerate import auto_accelerate  # noqa: F401

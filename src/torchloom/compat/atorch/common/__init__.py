@@ -1,0 +1,1 @@
+"""``atorch.common``: the helpers ATorch's tests and examples import from it."""
