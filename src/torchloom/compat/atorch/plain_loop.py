@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from ...parallel.grad_norm import clip_grad_norm_ as clip_grad_norm
 from ...parallel.loss_scaler import DynamicLossScaler
 from .data import data_to_device
 
@@ -21,6 +22,10 @@ from .data import data_to_device
 class AmpNativeOptimizer(torch.optim.Optimizer):
     """ATorch's ``AmpNativeOptimizer``: ``step()`` unscales the gradients, skips the step on inf/NaN and updates
     the loss scale; other attributes are the wrapped optimizer's.
+
+    ``unscale_()`` (ATorch's / ``torch.amp.GradScaler``'s) divides the gradients by the scale now, e.g. before
+    ``torch.nn.utils.clip_grad_norm_``; ``step()`` then does not unscale again and still skips on inf/NaN. A
+    second ``unscale_()`` before ``step()`` raises ``RuntimeError``, as ``GradScaler`` does.
 
     Args:
         optimizer: the optimizer torchloom built (after sharding).
@@ -31,24 +36,33 @@ class AmpNativeOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.grad_scaler = scaler
         self._is_overflow = False
+        self._unscaled_found_inf: bool | None = None  # set by unscale_() until the next step()
 
     def _params(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def step(self, *args, **kwargs):
-        """Unscale, step unless a rank saw inf/NaN, update the scale."""
-        found_inf = self.grad_scaler.unscale_(self._params())
+        """Unscale (unless ``unscale_()`` already did this step), step unless a rank saw inf/NaN, update the
+        scale."""
+        found_inf = self._unscaled_found_inf
+        if found_inf is None:
+            found_inf = self.grad_scaler.unscale_(self._params())
+        self._unscaled_found_inf = None
         if not found_inf:
             self.optimizer.step(*args, **kwargs)
         self.grad_scaler.update(found_inf)
         self._is_overflow = found_inf
 
     def unscale_(self):
-        """Divide the gradients by the scale now (e.g. before clipping); ``step`` then does not unscale again."""
-        raise NotImplementedError(
-            "AmpNativeOptimizer.unscale_() before step() is not supported by torchloom.compat.atorch (the scale is "
-            "divided out inside step()). To clip gradients, use torchloom.auto_accelerate(max_grad_norm=...)."
-        )
+        """Divide the gradients by the scale now (e.g. before clipping), recording whether any rank saw inf/NaN
+        (agreed over the ranks); ``step`` then does not unscale again and skips the update on inf/NaN.
+
+        Raises:
+            RuntimeError: ``unscale_()`` was already called since the last ``step()`` (as ``GradScaler``).
+        """
+        if self._unscaled_found_inf is not None:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        self._unscaled_found_inf = bool(self.grad_scaler.unscale_(self._params()))
 
     @property
     def step_was_skipped(self) -> bool:
@@ -76,12 +90,23 @@ class AmpNativeOptimizer(torch.optim.Optimizer):
         return self.optimizer.state
 
     def __getattr__(self, attr):
-        if attr in ("optimizer", "grad_scaler", "_is_overflow"):
+        if attr in ("optimizer", "grad_scaler", "_is_overflow", "_unscaled_found_inf"):
             raise AttributeError(attr)
         return getattr(self.optimizer, attr)
 
     def __repr__(self):
         return f"AmpNativeOptimizer({self.optimizer!r})"
+
+
+def add_clip_grad_norm(model: torch.nn.Module, extra_groups=()) -> None:
+    """Give ``model`` ATorch's FSDP ``model.clip_grad_norm_(max_norm, norm_type=2.0)``: clip the gradients to
+    their global norm over every FSDP shard (and ``extra_groups``) and return that norm (before clipping, as
+    torch's FSDP does). Call it after ``optim.unscale_()`` under fp16."""
+
+    def clip_grad_norm_(max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return clip_grad_norm(model.parameters(), max_norm, norm_type, extra_groups)
+
+    model.clip_grad_norm_ = clip_grad_norm_
 
 
 def scaled_loss_func(loss_func: Callable, scaler: DynamicLossScaler) -> Callable:

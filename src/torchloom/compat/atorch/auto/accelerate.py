@@ -15,7 +15,7 @@ from ....api import plan_dims
 from ....errors import StrategyError
 from ..data import data_to_device
 from ..distributed.parallel_groups import set_current_mesh
-from ..plain_loop import AmpNativeOptimizer, cast_inputs, scaled_loss_func
+from ..plain_loop import AmpNativeOptimizer, add_clip_grad_norm, cast_inputs, scaled_loss_func
 from ..strategy_io import read_strategy_bytes, to_json
 from ..strategy_map import Translation, translate
 from .strategy import SEMIAUTO_STRATEGIES, Strategy
@@ -259,6 +259,8 @@ def auto_accelerate(
     if scaler is not None and optim is not None and loss_func is not None:
         optim = AmpNativeOptimizer(optim, scaler)
         out_loss = scaled_loss_func(loss_func, scaler) if res.loss_scaler is not None else loss_func
+    if any((m if isinstance(m, str) else m[0]) == "fsdp" for m in native_strategy):
+        add_clip_grad_norm(res.model)  # ATorch's FSDP model.clip_grad_norm_
     out_prepare = cast_inputs(user_prepare, plan.input_dtype) if plan.input_dtype is not None else user_prepare
     args = {"use_optim_backward": False, "requires_set_gradient_accumulation_boundary": False,
             "torchloom_result": res, "notes": notes}
