@@ -97,3 +97,38 @@ def test_fsdp_model_clip_grad_norm_one_process():
     model, norms, _ = _fp16_clipped_run(lambda res, c: (add_clip_grad_norm(res.model), res.model.clip_grad_norm_(c))[1])
     ref, ref_norms = _reference()
     _assert_same(model, ref, norms, ref_norms)
+
+
+class _Range(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
+
+
+def _batches(loader):
+    return [b.flatten().int().tolist() for b in loader]
+
+
+def test_drop_last_false_last_batch_is_short_as_atorch():
+    # ATorch: DistributedSampler + DataLoader(batch_size=3): 10 samples -> 3, 3, 3, 1 (before: 9 padded by repeats)
+    status, res, _ = auto_accelerate(nn.Linear(1, 1), torch.optim.SGD, _Range(10), lambda b, o: o.sum(),
+                                     optim_args={"lr": 0.1}, dataloader_args={"batch_size": 3},
+                                     load_strategy=["parallel_mode"])
+    assert status and _batches(res.dataloader) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+
+
+def test_drop_last_false_two_rank_shards_match_distributed_sampler():
+    from torchloom.compat.atorch.data import atorch_dataloader
+
+    shards = [_batches(atorch_dataloader(_Range(10), dp_rank=r, dp_size=2, micro_batch_size=2, shuffle=False, seed=0))
+              for r in range(2)]
+    assert shards == [[[0, 2], [4, 6], [8]], [[1, 3], [5, 7], [9]]]
+    ref = [list(torch.utils.data.DistributedSampler(_Range(10), 2, r, shuffle=True, seed=3)) for r in range(2)]
+    got = [sum(_batches(atorch_dataloader(_Range(10), dp_rank=r, dp_size=2, micro_batch_size=2, shuffle=True,
+                                          seed=3)), []) for r in range(2)]
+    assert got == ref

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ....api import auto_accelerate as native_auto_accelerate
 from ....api import plan_dims
 from ....errors import StrategyError
-from ..data import data_to_device
+from ..data import atorch_dataloader, data_to_device
 from ..distributed.parallel_groups import set_current_mesh
 from ..plain_loop import AmpNativeOptimizer, add_clip_grad_norm, cast_inputs, scaled_loss_func
 from ..strategy_io import read_strategy_bytes, to_json
@@ -249,6 +249,14 @@ def auto_accelerate(
     for n in notes:
         (log.info if kargs.get("verbose") else log.debug)("auto_accelerate: %s", n)
 
+    dataloader = res.dataloader
+    if dataset is not None and not dl_args["drop_last"] and not isinstance(dataset, torch.utils.data.IterableDataset):
+        # torchloom's sampler fills the last batch with repeated samples; ATorch's DataLoader does not
+        extra = {k: v for k, v in dl_args.items() if k not in ("batch_size", "micro_batch_size", "shuffle",
+                                                                "drop_last", "seed")}
+        dataloader = atorch_dataloader(dataset, dp_rank=res.mesh.dp_rank, dp_size=res.mesh.dp_size,
+                                       micro_batch_size=dl_args["micro_batch_size"], shuffle=dl_args["shuffle"],
+                                       seed=dl_args["seed"], drop_last=False, **extra)
     optim = res.optimizer if optim_func is not None else None
     out_loss = loss_func
     scaler = res.loss_scaler
@@ -265,7 +273,7 @@ def auto_accelerate(
     args = {"use_optim_backward": False, "requires_set_gradient_accumulation_boundary": False,
             "torchloom_result": res, "notes": notes}
     log.info("Load strategy successfully and ready for use.\n%s", strategy)
-    return True, AutoAccelerateResult(res.model, optim, res.dataloader, out_loss, out_prepare, res.lr_scheduler,
+    return True, AutoAccelerateResult(res.model, optim, dataloader, out_loss, out_prepare, res.lr_scheduler,
                                       args), strategy
 
 
