@@ -132,3 +132,24 @@ def test_drop_last_false_two_rank_shards_match_distributed_sampler():
     got = [sum(_batches(atorch_dataloader(_Range(10), dp_rank=r, dp_size=2, micro_batch_size=2, shuffle=True,
                                           seed=3)), []) for r in range(2)]
     assert got == ref
+
+
+class _BuildsLinear:
+    def __reduce__(self):
+        return (nn.Linear, (10000, 10000))
+
+
+def test_pickle_constructing_a_torch_nn_class_is_refused_classes_still_load():
+    import pickle
+
+    from torchloom.compat.atorch.auto.strategy import Strategy
+    from torchloom.compat.atorch.strategy_io import StrategyPickleError, restricted_loads
+
+    ok = restricted_loads(pickle.dumps(Strategy([("checkpoint", (nn.Linear,), False),
+                                                 ("fsdp", {"atorch_wrap_cls": {nn.Linear}}, False)])))
+    assert ok.opt_list == [("checkpoint", (nn.Linear,), False), ("fsdp", {"atorch_wrap_cls": {nn.Linear}}, False)]
+    assert ok.opt_list[0][1][0] is nn.Linear
+    payload = pickle.dumps(Strategy([("checkpoint", _BuildsLinear(), False)]))  # the newcomer's 132-byte pickle
+    assert len(payload) < 200
+    with pytest.raises(StrategyPickleError, match="constructs torch.nn.modules.linear.Linear while loading: refused"):
+        restricted_loads(payload)

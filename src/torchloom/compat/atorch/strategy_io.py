@@ -133,6 +133,40 @@ def _torch_nn_class(module: str, name: str):
 
 
 # -- restricted pickle ------------------------------------------------------------------------------
+class _ClassRef:
+    """A ``torch.nn`` class named by a pickle, admitted as a value only: calling it while loading (a pickle
+    that builds ``nn.Linear(10000, 10000)``) raises; after loading it is replaced by the class itself."""
+
+    __slots__ = ("cls",)
+
+    def __init__(self, cls: type):
+        self.cls = cls
+
+    def __call__(self, *args, **kwargs):
+        raise StrategyPickleError(
+            f"the pickle constructs {self.cls.__module__}.{self.cls.__qualname__} while loading: refused (a strategy "
+            "holds module classes as values, never instances)."
+        )
+
+    def __reduce__(self):  # never re-pickled as a reference
+        raise StrategyPickleError("a class reference from a strategy pickle cannot be pickled")
+
+
+def _resolve_refs(v: Any) -> Any:
+    """``v`` with every :class:`_ClassRef` replaced by its class (containers rebuilt)."""
+    if isinstance(v, _ClassRef):
+        return v.cls
+    if isinstance(v, tuple):
+        return tuple(_resolve_refs(x) for x in v)
+    if isinstance(v, list):
+        return [_resolve_refs(x) for x in v]
+    if isinstance(v, dict):
+        return {_resolve_refs(k): _resolve_refs(x) for k, x in v.items()}
+    if isinstance(v, (set, frozenset)):
+        return type(v)(_resolve_refs(x) for x in v)
+    return v
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         from .auto.strategy import Strategy
@@ -143,7 +177,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         cls = _torch_nn_class(module, name)
         if cls is not None:
-            return cls
+            return _ClassRef(cls)
         raise StrategyPickleError(
             f"refused to unpickle the strategy: it names '{module}.{name}', which is not admitted. Strategy "
             "pickles may hold only plain containers, strings, numbers, torch dtypes, torch.nn module classes "
@@ -170,6 +204,10 @@ def restricted_loads(data: bytes):
         raise StrategyError(f"cannot read the pickled strategy: {type(e).__name__}: {e}") from e
     if not isinstance(obj, Strategy):
         raise StrategyError(f"the pickle holds a {type(obj).__name__}, not an ATorch Strategy.")
+    obj.opt_list = _resolve_refs(list(obj.opt_list))
+    leftover = [k for k in vars(obj) if k != "opt_list"] if hasattr(obj, "__dict__") else []
+    for k in leftover:
+        setattr(obj, k, _resolve_refs(getattr(obj, k)))
     for item in obj.opt_list:
         if not isinstance(item, (tuple, list)) or len(item) != 3 or not isinstance(item[0], str):
             raise StrategyError(f"a Strategy item must be a (name, config, tunable) triple; got {item!r:.200}")
