@@ -474,6 +474,8 @@ def _layout(mesh: Any, group: dist.ProcessGroup | None, dp_rank: int | None,
         return dp_layout(group=group)
     if dp_rank is not None or dp_size is not None:
         rank, size, _ = dp_layout(dp_rank=dp_rank, dp_size=dp_size)
+        if cur.dp_size == dist.get_world_size():  # no tensor/pipeline/expert peers: explicit numbers win
+            return rank, size, None
         if (rank, size) != (cur.dp_rank, cur.dp_size):
             raise DataError(f"dp_rank={rank}/dp_size={size} contradict the current torchloom mesh {cur!r} (built by "
                             f"auto_accelerate), whose data-parallel rank/size here is {cur.dp_rank}/{cur.dp_size}: "

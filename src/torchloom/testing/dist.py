@@ -63,13 +63,13 @@ def _wait_all(procs: list, timeout: float) -> None:
     a collective that can never complete, and waiting the whole timeout would only delay the report."""
     deadline = time.monotonic() + timeout
     failed_at = None
-    while any(p.is_alive() for p in procs):
+    while alive := [p for p in procs if p.is_alive()]:
         now = time.monotonic()
         if failed_at is None and any(p.exitcode not in (0, None) for p in procs):
             failed_at = now
         if now >= deadline or (failed_at is not None and now - failed_at >= FAILURE_GRACE_S):
             return
-        procs[[p.is_alive() for p in procs].index(True)].join(0.2)
+        alive[0].join(0.2)  # returns at once if it has exited since the list was taken
 
 
 def run_ranks(
