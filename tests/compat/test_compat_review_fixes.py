@@ -153,3 +153,48 @@ def test_pickle_constructing_a_torch_nn_class_is_refused_classes_still_load():
     assert len(payload) < 200
     with pytest.raises(StrategyPickleError, match="constructs torch.nn.modules.linear.Linear while loading: refused"):
         restricted_loads(payload)
+
+
+def _acc(strategy, **kw):
+    torch.manual_seed(0)
+    return auto_accelerate(Toy(), torch.optim.SGD, ToyData(), loss_func=loss_func, optim_args={"lr": 0.1},
+                           load_strategy=strategy, **kw)
+
+
+def test_dropped_distributed_methods_still_validated_in_one_process():
+    from torchloom.errors import StrategyError
+
+    with pytest.raises(StrategyError, match="fsdp.*'nonexistent'"):
+        _acc([("fsdp", {"nonexistent": 1})])  # before: status True, fsdp silently dropped
+    with pytest.raises(StrategyError, match="zero2"):
+        _acc([("zero2", {"use_ds_zero": True})])
+    status, _, best = _acc(["parallel_mode", ("fsdp", {"sync_module_states": True})])
+    assert status and best.opt_names() == ["parallel_mode"]
+
+
+def test_fsdp_mixed_precision_fp32_reduce_accepted():
+    from torchloom.compat.atorch.auto.strategy import Strategy
+    from torchloom.compat.atorch.strategy_map import translate
+
+    for rd in (torch.float32, "fp32"):
+        plan = translate(Strategy([("fsdp", {"mixed_precision": {"reduce_dtype": rd}}, False)]), 2)
+        assert plan.methods == [("fsdp", {"reduce_dtype": "float32"})]
+    plan = translate(Strategy([("fsdp", {"mixed_precision": {"reduce_dtype": torch.bfloat16}}, False)]), 2)
+    assert plan.methods == [("fsdp", {"reduce_dtype": "bfloat16"})]
+
+
+def test_no_batch_size_warning_without_dataloader_args(caplog, monkeypatch):
+    import logging
+
+    from torchloom.compat.atorch.auto import accelerate as acc
+
+    caplog.set_level(logging.WARNING, logger="torchloom.compat.atorch")
+    acc._dataloader_args(None, ToyData(), [("fsdp", {})], 2, {})
+    assert not [r for r in caplog.records if "Batchsize" in r.getMessage()]
+    acc._dataloader_args({"batch_size": 3}, ToyData(), [("fsdp", {})], 2, {})
+    assert [r for r in caplog.records if "Batchsize=3 is not a multiple of data parallel size 2" in r.getMessage()]
+
+
+def test_bad_model_input_format_is_an_assertion_error_as_atorch():
+    with pytest.raises(AssertionError, match="model_input_format='dict'"):
+        _acc(["parallel_mode"], model_input_format="dict")

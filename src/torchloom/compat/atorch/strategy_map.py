@@ -221,6 +221,8 @@ def _mixed_precision(name: str, mp) -> dict:
     rd = fields.get("reduce_dtype")
     if rd is None:
         return {}
+    if rd in (torch.float32, "fp32", "float32"):
+        return {"reduce_dtype": "float32"}  # FSDP2 MixedPrecisionPolicy(reduce_dtype=float32): native fsdp's default
     return {"reduce_dtype": _dtype_name(rd, f"{name} mixed_precision reduce_dtype")}
 
 

@@ -200,6 +200,8 @@ def auto_accelerate(
             "resumable ElasticDistributedSampler (seed via sampler_seed=, shuffle via dataloader_args). Remove the "
             "argument, or build your own DataLoader and pass dataset=None."
         )
+    assert model_input_format in (None, "unpack_sequence", "unpack_dict"), (  # ATorch asserts too
+        f"model_input_format={model_input_format!r} is not valid; use None, 'unpack_sequence' or 'unpack_dict'.")
     if load_strategy is None:
         raise NotImplementedError(SEARCH_NOT_AVAILABLE)
     notes: list[str] = []
@@ -208,6 +210,13 @@ def auto_accelerate(
         log.error("Error in loading strategy.")
         return False, None, None
     world = _world_size()
+    if world == 1 and not finetune_strategy:
+        # one process drops the distributed-only methods (as ATorch); check their options all the same, so a
+        # typo fails here as it does on several ranks
+        from .strategy import distributed_only
+
+        translate(Strategy([tuple(i) for i in strategy if isinstance(i, (tuple, list)) and len(i) == 3
+                            and distributed_only(i[0], i[1])]), 2)
     try:
         strategy = _adjust(strategy, world, finetune_strategy, notes=notes)
     except StrategyError as e:
@@ -358,9 +367,10 @@ def _dataloader_args(dataloader_args, dataset, native_strategy, world: int, karg
         return dataloader_args  # torchloom derives the batch arithmetic; there is no loader to build
     args = dict(dataloader_args or {})
     dp = plan_dims(native_strategy, world).dp
+    given = "batch_size" in args
     total = args.pop("batch_size", 1)  # torch's DataLoader default
     micro = max(total // dp, 1)
-    if micro * dp != total:
+    if micro * dp != total and given:  # ATorch logs nothing when no batch_size was given
         log.warning("Batchsize=%s is not a multiple of data parallel size %s, adjusted to %s.", total, dp, micro * dp)
     args["batch_size"] = micro * dp
     args["micro_batch_size"] = micro
