@@ -198,3 +198,14 @@ def test_no_batch_size_warning_without_dataloader_args(caplog, monkeypatch):
 def test_bad_model_input_format_is_an_assertion_error_as_atorch():
     with pytest.raises(AssertionError, match="model_input_format='dict'"):
         _acc(["parallel_mode"], model_input_format="dict")
+
+
+def test_strategy_pickles_of_every_protocol_load():
+    import pickle
+
+    from torchloom.compat.atorch.auto.strategy import Strategy
+    from torchloom.compat.atorch.strategy_io import restricted_loads
+
+    s = Strategy([("checkpoint", (nn.Linear,), False), ("amp_native", {"dtype": torch.float16}, False)])
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        assert restricted_loads(pickle.dumps(s, protocol=protocol)).opt_list == s.opt_list
