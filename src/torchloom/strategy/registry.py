@@ -11,6 +11,11 @@ from ..utils import did_you_mean
 
 if TYPE_CHECKING:
     from ..context import AccelContext
+    from ..parallel.mesh import ParallelDims
+    from ..search.candidate import StepShape
+    from ..search.effects import Effects
+    from ..search.hardware import Hardware
+    from ..search.model_info import ModelInfo
 
 
 @dataclass
@@ -62,6 +67,26 @@ class Method:
 
     def wrap_optimizer(self, ctx: "AccelContext") -> None:
         """After the optimizer is built: wrap or replace ``ctx.optimizer``."""
+
+    # Planning hooks (no process group, no allocated model): used by ``strategy="auto"`` and ``loom plan``.
+    #: configs the search tries for this method (each a dict of options); empty = the search never adds it
+    #: on its own (it still evaluates strategies that name it). See docs/search.md, "Your own method".
+    search_configs: ClassVar[tuple[dict[str, Any], ...]] = ()
+
+    def validate(self, info: "ModelInfo", dims: "ParallelDims") -> None:
+        """The pure checks ``apply`` would make, on a model description (``info.module`` is the meta-device
+        model) and resolved mesh degrees: TP divisibility, pipeline split points, degree conflicts.
+
+        Raises:
+            StrategyError: the same message ``apply`` would give.
+        """
+
+    def estimate(self, info: "ModelInfo", dims: "ParallelDims", hw: "Hardware",
+                 step: "StepShape") -> "Effects | None":
+        """What this method does per rank and per optimizer step: memory by category, compute, and the
+        collectives it adds (kind, bytes, group, overlap); see :class:`torchloom.search.effects.Effects`.
+        None (the default): no effect the cost model needs to know about."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"

@@ -1,0 +1,155 @@
+"""What the planner knows about the machines: achieved compute, memory bandwidth and collective costs.
+
+A :class:`Hardware` comes either from calibration on this machine (:func:`torchloom.search.calibrate.
+local_hardware`, cached per machine fingerprint) or from the built-in accelerator table
+(:func:`torchloom.search.accelerators.cluster`), and is read by the methods' ``estimate`` hooks and the cost
+model through the query methods below, never by poking at the raw fits.
+
+Units: seconds, bytes, FLOP/s, bytes/s.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
+
+
+@dataclass
+class CollectiveFit:
+    """Measured time of one collective kind for one group size: ``points`` are ``(bytes, seconds)`` pairs
+    sorted by size (bytes = the per-rank message: the tensor all-reduced, the *output* of an all-gather, the
+    *input* of a reduce-scatter, the tensor sent). Between points time is interpolated linearly in bytes;
+    beyond the largest, extrapolated with the last segment's bandwidth; below the smallest, the smallest
+    point's time (latency floor)."""
+
+    points: list[tuple[float, float]] = field(default_factory=list)
+
+    def time(self, nbytes: float) -> float:
+        pts = self.points
+        if not pts or nbytes <= 0:
+            return 0.0
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        xs = [p[0] for p in pts]
+        i = bisect.bisect_left(xs, nbytes)
+        if i >= len(pts):
+            (x0, t0), (x1, t1) = pts[-2] if len(pts) > 1 else (0.0, 0.0), pts[-1]
+            slope = (t1 - t0) / (x1 - x0) if x1 > x0 else 0.0
+            return t1 + slope * (nbytes - x1)
+        (x0, t0), (x1, t1) = pts[i - 1], pts[i]
+        return t0 + (t1 - t0) * (nbytes - x0) / (x1 - x0)
+
+
+@dataclass
+class Hardware:
+    """One kind of device and how a job of ``ranks_per_node`` processes per node performs on it.
+
+    Attributes:
+        name: ``"local-cpu"``, ``"h100-sxm"``, ...
+        device_type: ``"cpu"`` / ``"cuda"``.
+        memory_bytes: usable memory per rank (GPU memory; on CPU: host RAM / ranks per node).
+        ranks_per_node / num_nodes: the job layout the compute and collective numbers hold for.
+        matmul_flops: achieved dense matmul FLOP/s per rank by dtype name, as ``(gemm_flops, flop_per_s)``
+            points by GEMM size (FLOPs of one GEMM) — small GEMMs reach less. Measured **with all
+            ``ranks_per_node`` ranks computing at once** (co-located ranks share cores).
+        peak_flops: datasheet (or measured-maximum on CPU) dense FLOP/s per rank by dtype (what MFU divides by).
+        mem_bw: achieved memory bandwidth per rank in bytes/s (all ranks streaming at once).
+        op_overhead_s: fixed cost per dispatched op (eager-mode launch/dispatch), seconds.
+        intra: collective fits inside a node, ``{kind: {group_size: CollectiveFit}}``.
+        inter_bw / inter_latency_s: per-rank bandwidth (bytes/s) and latency across nodes (ring model).
+        fingerprint: what identifies the machine (CPU/GPU model, cores, torch version, backend): plans and
+            calibrations are keyed by it.
+        sources: where each value came from (datasheet URL or "measured <date>").
+    """
+
+    name: str
+    device_type: str
+    memory_bytes: float
+    ranks_per_node: int = 1
+    num_nodes: int = 1
+    matmul_flops: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    peak_flops: dict[str, float] = field(default_factory=dict)
+    mem_bw: float = 0.0
+    op_overhead_s: float = 0.0
+    intra: dict[str, dict[int, CollectiveFit]] = field(default_factory=dict)
+    inter_bw: float = 0.0
+    inter_latency_s: float = 0.0
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    # -- queries used by the cost model -------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.ranks_per_node * self.num_nodes
+
+    def matmul_rate(self, dtype: str, gemm_flops: float) -> float:
+        """Achieved FLOP/s per rank for one GEMM of ``gemm_flops`` FLOPs in ``dtype`` (log-linear
+        interpolation between calibrated sizes; fp32 numbers are used for a dtype never measured)."""
+        pts = self.matmul_flops.get(dtype) or self.matmul_flops.get("float32") or []
+        if not pts:
+            raise ValueError(f"hardware '{self.name}' has no matmul calibration for {dtype}.")
+        if gemm_flops <= pts[0][0]:
+            return pts[0][1]
+        if gemm_flops >= pts[-1][0]:
+            return pts[-1][1]
+        xs = [math.log(p[0]) for p in pts]
+        i = bisect.bisect_left(xs, math.log(gemm_flops))
+        (x0, r0), (x1, r1) = (xs[i - 1], pts[i - 1][1]), (xs[i], pts[i][1])
+        return r0 + (r1 - r0) * (math.log(gemm_flops) - x0) / (x1 - x0)
+
+    def collective_time(self, kind: str, nbytes: float, group_size: int, *, spans_nodes: bool = False) -> float:
+        """Seconds for one ``kind`` collective of ``nbytes`` per rank over ``group_size`` ranks.
+
+        Inside a node: the calibrated fit for that group size (the nearest measured size, scaled by the ring
+        factor ``(g-1)/g`` when the exact size was not measured). Across nodes (``spans_nodes``): the ring
+        model with ``inter_bw`` and ``inter_latency_s``.
+
+        Raises:
+            ValueError: an unknown collective kind.
+        """
+        if kind not in COLLECTIVES:
+            raise ValueError(f"unknown collective {kind!r}; one of {COLLECTIVES}.")
+        if group_size <= 1 or nbytes <= 0:
+            return 0.0
+        if spans_nodes and self.inter_bw > 0:
+            return _ring_time(kind, nbytes, group_size, self.inter_bw, self.inter_latency_s)
+        fits = self.intra.get(kind) or {}
+        if group_size in fits:
+            return fits[group_size].time(nbytes)
+        if not fits:
+            raise ValueError(f"hardware '{self.name}' has no calibration for {kind}.")
+        near = min(fits, key=lambda g: abs(g - group_size))
+        scale = _ring_factor(kind, group_size) / max(_ring_factor(kind, near), 1e-9)
+        return fits[near].time(nbytes) * scale
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["intra"] = {k: {str(g): f["points"] for g, f in v.items()} for k, v in d["intra"].items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Hardware":
+        d = dict(d)
+        d["intra"] = {k: {int(g): CollectiveFit([tuple(p) for p in pts]) for g, pts in v.items()}
+                      for k, v in (d.get("intra") or {}).items()}
+        d["matmul_flops"] = {k: [tuple(p) for p in v] for k, v in (d.get("matmul_flops") or {}).items()}
+        return cls(**d)
+
+
+def _ring_factor(kind: str, g: int) -> float:
+    if kind == "all_reduce":
+        return 2.0 * (g - 1) / g
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (g - 1) / g
+    return 1.0
+
+
+def _ring_time(kind: str, nbytes: float, g: int, bw: float, latency: float) -> float:
+    """Bandwidth-optimal ring: all-reduce moves 2(g-1)/g of the bytes per rank, all-gather/reduce-scatter
+    (g-1)/g of the full tensor (Thakur, Rabenseifner & Gropp 2005, "Optimization of collective communication
+    operations in MPICH"); ``2(g-1)`` (all-reduce) or ``g-1`` latency steps."""
+    steps = 2 * (g - 1) if kind == "all_reduce" else (1 if kind in ("send_recv", "broadcast") else g - 1)
+    return steps * latency + _ring_factor(kind, g) * nbytes / bw

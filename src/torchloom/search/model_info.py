@@ -1,0 +1,131 @@
+"""What the planner knows about a model, measured without allocating it (meta device / fake tensors).
+
+Filled by :func:`torchloom.search.analysis.analyze_model`; read by the methods' ``validate``/``estimate``
+hooks and the cost model. Every quantity is for **micro-batch 1** at ``seq_len`` tokens per sample unless a
+field says otherwise: compute and activations scale linearly with the micro-batch size (the tokens
+dimension ``m`` of every GEMM is ``micro_batch * seq_len``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+
+@dataclass
+class Matmul:
+    """One GEMM kind of a pass: ``C[m, n] = A[m, k] @ B[k, n]``, ``count`` times; ``m`` is the token
+    dimension at micro-batch 1 (multiply by the micro-batch). FLOPs = ``2 * m * n * k * count``."""
+
+    m: int
+    n: int
+    k: int
+    count: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.count
+
+
+@dataclass
+class PassCost:
+    """Compute of one forward or one backward pass of one module instance at micro-batch 1.
+
+    Attributes:
+        matmul_flops: FLOPs of matrix products (``torch.utils.flop_counter`` under fake tensors), incl. SDPA.
+        matmuls: the GEMMs behind ``matmul_flops`` by shape (for shape-dependent achieved FLOP/s).
+        other_bytes: bytes read + written by every other op (elementwise, norms, softmax, copies): the
+            memory-bandwidth-bound part.
+        ops: number of dispatched ATen ops (per-op launch/dispatch overhead, significant on CPU).
+    """
+
+    matmul_flops: float = 0.0
+    matmuls: list[Matmul] = field(default_factory=list)
+    other_bytes: float = 0.0
+    ops: int = 0
+
+
+@dataclass
+class PartInfo:
+    """One part of the model: a repeated block class (``count`` instances) or the non-block rest
+    (embeddings, final norm, head and loss: ``name="rest"``, ``count=1``).
+
+    Attributes:
+        params: parameter elements per instance (tied parameters counted once, in the part that owns them).
+        trainable: elements with ``requires_grad`` per instance.
+        param_bytes: bytes of the parameters per instance in their current dtype.
+        fwd / bwd: :class:`PassCost` per instance at micro-batch 1 (bwd ~ 2x fwd for matmuls).
+        act_bytes: bytes this instance keeps for backward at micro-batch 1, by compute dtype
+            (``{"float32": ..., "bfloat16": ...}``: fp32 training, and bf16 autocast).
+        input_bytes: bytes of the instance's input activation at micro-batch 1 in fp32 (what activation
+            checkpointing keeps instead of ``act_bytes``; halve for bf16).
+        peak_extra_bytes: transient bytes above ``act_bytes`` while the instance runs forward+backward
+            (workspace, recomputed activations of the instance being backpropagated), fp32.
+    """
+
+    name: str
+    count: int
+    params: int
+    trainable: int
+    param_bytes: int
+    fwd: PassCost
+    bwd: PassCost
+    act_bytes: dict[str, float]
+    input_bytes: float
+    peak_extra_bytes: float = 0.0
+
+
+@dataclass
+class ModelInfo:
+    """A model as the planner sees it.
+
+    Attributes:
+        name: a label (class name or built-in config name).
+        seq_len: tokens per sample the costs were traced at.
+        parts: the repeated blocks first (in model order), then ``"rest"``.
+        block_classes: class names of the repeated blocks (what FSDP/AC/PP cut by).
+        num_blocks: total block instances.
+        n_params / n_trainable: whole-model parameter elements (tied counted once).
+        param_dtype: dtype name of the parameters (``"float32"``).
+        tied: groups of parameter names that share one tensor.
+        dims: architecture sizes where known (``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
+            ``intermediate_size``, ``vocab_size``, ``num_layers``, ``num_experts``): TP divisibility and
+            TP/SP message sizes.
+        family: the tensor-parallel family detected (``"llama"``, ``"gpt2"``, ...) or None.
+        module: the meta-device model (for ``validate`` hooks that reuse the methods' own checks); not saved.
+        signature: a hash of parameter names, shapes and dtypes (plan cache key).
+    """
+
+    name: str
+    seq_len: int
+    parts: list[PartInfo]
+    block_classes: list[str]
+    num_blocks: int
+    n_params: int
+    n_trainable: int
+    param_dtype: str = "float32"
+    tied: list[list[str]] = field(default_factory=list)
+    dims: dict[str, int] = field(default_factory=dict)
+    family: str | None = None
+    module: nn.Module | None = field(default=None, repr=False, compare=False)
+    signature: str = ""
+
+    @property
+    def blocks(self) -> list[PartInfo]:
+        return [p for p in self.parts if p.name != "rest"]
+
+    @property
+    def rest(self) -> PartInfo | None:
+        return next((p for p in self.parts if p.name == "rest"), None)
+
+    def flops_per_sample(self) -> float:
+        """Forward + backward matmul FLOPs of one sample (no recomputation)."""
+        return sum((p.fwd.matmul_flops + p.bwd.matmul_flops) * p.count for p in self.parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict, fields
+
+        # not asdict(self): it would deep-copy the module
+        return {f.name: ([asdict(p) for p in self.parts] if f.name == "parts" else getattr(self, f.name))
+                for f in fields(self) if f.name != "module"}
