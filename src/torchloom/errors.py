@@ -26,3 +26,8 @@ class GradientSyncError(TorchloomError, RuntimeError):
 class ReplicaDivergenceError(TorchloomError, RuntimeError):
     """Data-parallel replicas that must hold identical parameters differ; names the first parameter and
     the ranks."""
+
+
+class HardwareError(TorchloomError, ValueError):
+    """A hardware description cannot be used: an unknown accelerator, a cluster whose GPUs do not divide
+    into its nodes, a missing or bad field, or more ranks than the machine has devices."""

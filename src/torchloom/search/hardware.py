@@ -63,6 +63,8 @@ class Hardware:
         fingerprint: what identifies the machine (CPU/GPU model, cores, torch version, backend): plans and
             calibrations are keyed by it.
         sources: where each value came from (datasheet URL or "measured <date>").
+        threads_per_rank: intra-op threads each rank computed with when measured (0 = not applicable:
+            a table entry for a GPU).
     """
 
     name: str
@@ -79,6 +81,7 @@ class Hardware:
     inter_latency_s: float = 0.0
     fingerprint: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
+    threads_per_rank: int = 0
 
     # -- queries used by the cost model -------------------------------------------------------------
     @property
