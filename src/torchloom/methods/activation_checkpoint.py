@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,30 @@ class ActivationCheckpoint(Method):
     key_aliases = {"atorch_wrap_cls": "wrap_cls"}
     Config = CheckpointConfig
     stage = Stage.ACTIVATION_CHECKPOINT
+
+    search_configs = ({"every_k": 1}, {"every_k": 2})
+
+    def estimate(self, info, dims, hw, step):
+        """The checkpointed blocks (``blocks[::every_k]`` of each model part, i.e. of each pipeline stage)
+        keep only their input instead of their activations, and run their forward again in backward; while
+        one of them is backpropagated its activations exist again (one block's worth, transient)."""
+        from ..search.effects import Effects, activation_bytes, blocks_per_rank, dtype_bytes
+
+        nb = blocks_per_rank(info, dims)
+        if not nb or (self.config.wrap_cls and not set(self.config.wrap_cls) & set(info.block_classes)):
+            return Effects(self.name, notes=["no block of the wrap classes: nothing checkpointed"])
+        chosen = math.ceil(nb / self.config.every_k)
+        f = chosen / nb
+        blocks, rest = activation_bytes(info, step)
+        scale = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
+        # the residual stream between blocks is fp32 under autocast, low precision only under half
+        inputs = sum(p.input_bytes * p.count for p in info.blocks) * scale * dtype_bytes(step.param_dtype) / 4
+        kept = (1 - f) * blocks + f * inputs
+        e = Effects(self.name, recompute_fraction=f)
+        if blocks + rest > 0:
+            e.memory_scale["activations"] = (kept + rest) / (blocks + rest)
+            e.memory_add["temporary"] = blocks / max(info.num_blocks, 1) / max(dims.tp, 1)
+        return e
 
     @classmethod
     def normalise_config(cls, raw: Any) -> Any:

@@ -55,6 +55,25 @@ class Amp(Method):
     def dtype(self) -> torch.dtype:
         return DTYPES[self.config.dtype]
 
+    search_configs = ({"dtype": "bfloat16"},)
+
+    def estimate(self, info, dims, hw, step):
+        """The matmuls run in the low dtype (``StepShape.compute_dtype``, read by the cost model) on fp32
+        master weights. Without fsdp, autocast caches a low-precision copy of every weight for the forward
+        (kept for backward), and casts each matmul's weight and input (two extra ops per GEMM); with fsdp the
+        ``MixedPrecisionPolicy`` casts the shards before the all-gather (priced by fsdp). fp16 adds the loss
+        scaler's found-inf all-reduce over the world."""
+        from ..search.effects import Collective, Effects, dtype_bytes, rank_params
+
+        e = Effects(self.name)
+        if "fsdp" not in step.methods:
+            e.memory_add["temporary"] = rank_params(info, dims) * dtype_bytes(step.compute_dtype)
+            gemms = sum(g.count for p in info.blocks for g in p.fwd.matmuls) / max(info.num_blocks, 1)
+            e.ops_add = 2.0 * gemms
+        if step.compute_dtype == "float16" and dims.dp * dims.tp * dims.pp > 1:
+            e.collectives.append(Collective("all_reduce", 4, "dp", calls=1, label="amp.found_inf"))
+        return e
+
     def configure(self, ctx) -> None:
         ctx.autocast_dtype = self.dtype
         if self.dtype == torch.float16:

@@ -30,6 +30,13 @@ class Compile(Method):
     Config = CompileConfig
     stage = Stage.COMPILE
 
+    def estimate(self, info, dims, hw, step):
+        """Not modelled: priced as eager (the fusion gain depends on the backend and the model). The search
+        never adds compile on its own (``search_configs`` is empty); a strategy naming it gets this note."""
+        from ..search.effects import Effects
+
+        return Effects(self.name, notes=["speed-up of torch.compile not modelled (priced as eager)"])
+
     def apply(self, ctx) -> None:
         c = self.config
         blocks = [b for part in ctx.model_parts for b in find_blocks(part, c.wrap_cls)]

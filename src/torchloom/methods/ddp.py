@@ -1,6 +1,7 @@
 """`ddp`: DistributedDataParallel over the data-parallel mesh dimension."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,8 +54,32 @@ class DDP(Method):
     conflicts = {"fsdp": "both own gradient synchronisation for data parallelism; fsdp already averages "
                          "gradients (and shards them). Use one."}
 
+    search_configs = ({},)
+
     def configure(self, ctx) -> None:
         ctx.data_parallel = self.name
+
+    def estimate(self, info, dims, hw, step):
+        """Gradients all-reduced over ``dp`` once per optimizer step (``no_sync`` while accumulating) in
+        ``bucket_cap_mb`` buckets that overlap the backward, except the last; the bucket storage holds the
+        gradients across steps (``gradient_as_bucket_view``: the gradients are views into it, else a copy)."""
+        from ..search.effects import Collective, Effects, dtype_bytes, rank_params
+
+        c = self.config
+        grad_bytes = rank_params(info, dims, trainable=True) * dtype_bytes(step.param_dtype)
+        e = Effects(self.name, grads_persistent=True)
+        if not c.gradient_as_bucket_view:
+            e.memory_add["temporary"] = grad_bytes
+        wire = grad_bytes
+        if c.comm_hook in ("fp16", "bf16"):
+            wire = grad_bytes / 2 if dtype_bytes(step.param_dtype) == 4 else grad_bytes
+        elif c.comm_hook == "powersgd":
+            e.notes.append("powersgd compression not modelled: priced as an uncompressed all-reduce")
+        if dims.dp > 1 and wire > 0:
+            n = max(1, math.ceil(grad_bytes / (c.bucket_cap_mb * 2**20)))
+            e.collectives.append(Collective("all_reduce", wire / n, "dp", calls=n, overlap="backward",
+                                            exposed_calls=1, label="ddp.all_reduce"))
+        return e
 
     def apply(self, ctx) -> None:
         c = self.config

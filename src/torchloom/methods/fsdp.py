@@ -56,8 +56,73 @@ class FSDP(Method):
     data_parallel = True
     mesh_dims = ("dp_replicate", "dp_shard")
 
+    search_configs = ({"reshard_after_forward": True}, {"reshard_after_forward": False},
+                      {"reshard_after_forward": True, "cpu_offload": True})
+
     def configure(self, ctx) -> None:
         ctx.data_parallel = self.name
+
+    def estimate(self, info, dims, hw, step):
+        """FSDP2 per rank (each block one unit, the rest the root unit):
+
+        * parameters, gradients and optimizer state 1/``dp_shard`` (HSDP replicates across ``dp_replicate``);
+        * transient: the gathered current and prefetched block in the compute dtype (ZeRO-2: every block of
+          the rank stays gathered from forward to backward), the root's gathered parameters (FSDP2 never
+          reshards the root after forward), one block's unsharded gradient in the reduce dtype;
+        * per micro-batch, an all-gather per unit in forward (ZeRO-3: again per block in backward),
+          prefetched behind the previous unit's compute except the first of each pass; per optimizer step
+          a reduce-scatter per unit overlapping the backward except the last (HSDP: then an all-reduce of the
+          shard over ``dp_replicate``); under gradient accumulation the gradients accumulate unsharded;
+        * ``cpu_offload`` on an accelerator: sharded state in host memory (off the device), the shards
+          copied in before each all-gather and the gradients out after each reduce-scatter over the host
+          link, the optimizer step on the host. On a CPU device offload moves nothing.
+        """
+        from ..search.effects import (Collective, Effects, block_params, blocks_per_rank, dtype_bytes,
+                                      rank_params)
+
+        c = self.config
+        n, r = dims.dp_shard, dims.dp_replicate
+        cd, pd = dtype_bytes(step.compute_dtype), dtype_bytes(step.param_dtype)
+        rd = dtype_bytes(c.reduce_dtype) if step.compute_dtype != step.param_dtype else pd
+        tp, nb = max(dims.tp, 1), blocks_per_rank(info, dims)
+        block = block_params(info) / tp  # elements of one gathered unit
+        total = rank_params(info, dims)
+        rest = max(total - block * nb, 0.0)
+        zero3 = c.reshard_after_forward
+        gathered = (min(nb, 2) if zero3 else nb) * block * cd  # current + prefetched
+        e = Effects(self.name, memory_scale={k: 1.0 / n for k in ("params", "grads", "optimizer")},
+                    ops_add=_FSDP_OPS_PER_UNIT)
+        e.memory_add["temporary"] = gathered + rest * cd + block * rd
+        e.grads_unsharded_accum = total * rd
+        accum = step.grad_accum
+        if n > 1:
+            e.collectives.append(Collective("all_gather", (block * nb + rest) * cd / (nb + 1), "dp_shard",
+                                            calls=accum * (nb + 1), overlap="forward", exposed_calls=accum,
+                                            label="fsdp.all_gather"))
+            if zero3 and nb:
+                e.collectives.append(Collective("all_gather", block * cd, "dp_shard", calls=accum * nb,
+                                                overlap="backward", label="fsdp.all_gather_bwd"))
+            e.collectives.append(Collective("reduce_scatter", (block * nb + rest) * rd / (nb + 1), "dp_shard",
+                                            calls=nb + 1, overlap="backward", exposed_calls=1,
+                                            label="fsdp.reduce_scatter"))
+        if r > 1:
+            e.collectives.append(Collective("all_reduce", (block * nb + rest) * rd / (nb + 1) / n, "dp_replicate",
+                                            calls=nb + 1, overlap="backward", exposed_calls=1,
+                                            label="fsdp.all_reduce_replicate"))
+        if c.cpu_offload:
+            if hw.device_type == "cpu":
+                e.notes.append("cpu_offload on a CPU device: state already in host memory, nothing moves")
+            else:
+                for k in ("params", "grads", "optimizer"):
+                    e.memory_scale[k] = 0.0
+                link = hw.sources.get("host_link_bw")
+                bw = float(link) if link else HOST_LINK_BW
+                copies = (accum * (nb + 1) * (2 if zero3 else 1) * (total / (nb + 1)) * cd / n + total * rd / n)
+                e.time_add["host_copies"] = copies / bw
+                e.notes.append(f"cpu_offload: host link {bw / 1e9:.0f} GB/s; optimizer step runs on the host")
+        if not n > 1 and r <= 1:
+            e.notes.append("fsdp over one rank: gathers are local copies")
+        return e
 
     def apply(self, ctx) -> None:
         c = self.config
@@ -114,6 +179,14 @@ class FSDP(Method):
         ctx.note(f"fsdp: {mode}, {hsdp}, {len(units)} block units of {ctx.block_classes}"
                  + (", CPU offload" if c.cpu_offload else "") + (f", tied groups {shared}" if shared else "")
                  + (f", {norms_kept} BatchNorm-like units in fp32" if norms_kept else ""))
+
+
+#: extra dispatched ops per FSDP unit per forward (pre/post hooks, copy-in/out, views), CPU eager
+_FSDP_OPS_PER_UNIT = 12.0
+
+#: host<->device bandwidth for CPU offload when the hardware does not give one: PCIe Gen4 x16 achieved
+#: (~25 GB/s of the 32 GB/s raw; PCI-SIG PCIe 4.0 specification), bytes/s
+HOST_LINK_BW = 25e9
 
 
 def _shard_fp32_norms(model, units: list[list[str]], shared: list[list[str]], c: FSDPConfig, fp32_kw: dict) -> int:

@@ -40,6 +40,11 @@ class Half(Method):
     Config = HalfConfig
     stage = Stage.CAST
 
+    def estimate(self, info, dims, hw, step):
+        """Parameters, gradients, Adam state and compute in the low dtype: the cost model reads
+        ``StepShape.param_dtype``/``compute_dtype`` for the baseline, so there is nothing to add."""
+        return None
+
     def configure(self, ctx) -> None:
         ctx.param_dtype = DTYPES[self.config.dtype]
 

@@ -77,6 +77,70 @@ class PipelineParallel(Method):
     stage = Stage.PIPELINE
     mesh_dims = ("pp",)
 
+    search_configs = ({"schedule": "1f1b"}, {"schedule": "gpipe"}, {"schedule": "interleaved_1f1b"})
+
+    def estimate(self, info, dims, hw, step):
+        """The stages of :func:`~torchloom.parallel.pipeline.build.plan_stages` (by parameters; the same
+        split ``apply`` makes) placed on ranks as the schedule places them; ``grad_accum`` = the pipeline's
+        micro-batch count ``m``. Bubble per step in micro-batch times of the slowest rank: GPipe/1F1B
+        ``(p-1)(t_f+t_b)`` (fraction ``(p-1)/(m+p-1)``); interleaved 1F1B ``(p-1)/v`` of that (Narayanan et al.
+        SC 2021); interleaved zero bubble (ZB-H1 per virtual stage, Qi et al. ICLR 2024) ``(p-1)/v * t_f``
+        (input and weight gradients split evenly, so ``T_F + T_B - T_W = T_F``); ZB-V ``(p-1)(t_f/2 - t_b/4)``
+        (``T_F + T_B - 2 T_W`` per chunk), at least 0. Activations in flight on pipeline rank ``r``: GPipe
+        ``m``, 1F1B and ZB-V ``min(m, p-r)``, interleaved ``min(mv, 2(p-r-1) + (v-1)p + 1) / v`` (Megatron's
+        warm-up). The most loaded rank (parameters + 3 x for gradients and Adam state + activations) sets the
+        memory; one send of the hidden state per micro-batch and chunk in each direction."""
+        from ..search.effects import (Collective, Effects, PipelineShape, activation_bytes, dtype_bytes,
+                                      hidden_bytes)
+
+        p = dims.pp
+        if p <= 1:
+            return None
+        c, m = self.config, step.grad_accum
+        v = c.virtual
+        loads = stage_loads(info, c, p)
+        nb = max(info.num_blocks, 1)
+        blocks_act, rest_act = activation_bytes(info, step)
+        block_p = sum(q.params * q.count for q in info.blocks) / nb
+        rest_p = info.rest.params if info.rest is not None else 0
+        from ..search.effects import embed_params
+
+        emb = embed_params(info)
+        head = max(rest_p - emb, emb if info.tied else 0)
+        pb = dtype_bytes(step.param_dtype)
+        best = None
+        for r, load in enumerate(loads):
+            if c.schedule == "gpipe":
+                fly = float(m)
+            elif c.schedule in ("interleaved_1f1b", "zero_bubble"):
+                fly = min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1) / v
+            else:
+                fly = float(min(m, p - r))
+            params = load.blocks * block_p + (emb if load.first else 0) + (head if load.last else 0)
+            act = fly * blocks_act * load.blocks / nb + (rest_act if load.last else 0.0)
+            total = params * pb * 4 + act
+            if best is None or total > best[0]:
+                best = (total, params, act, fly)
+        _, params, act, fly = best
+        if c.schedule in ("gpipe", "1f1b"):
+            bf = bb = float(p - 1)
+        elif c.schedule == "interleaved_1f1b":
+            bf = bb = (p - 1) / v
+        elif c.schedule == "zero_bubble":
+            bf, bb = (p - 1) / v, 0.0
+        else:  # zbv
+            bf, bb = (p - 1) / 2, -(p - 1) / 4
+        pshape = PipelineShape(c.schedule, p, v, m, loads, bf, bb, fly,
+                               boundary_bytes=hidden_bytes(info, step, step.param_dtype))
+        share = params / info.n_params if info.n_params else 1.0
+        e = Effects(self.name, pipeline=pshape,
+                    memory_scale={"params": share, "grads": share, "optimizer": share,
+                                  "activations": act / (blocks_act + rest_act) if blocks_act + rest_act else 1.0})
+        if pshape.boundary_bytes:
+            e.collectives.append(Collective("send_recv", pshape.boundary_bytes, "pp", calls=2 * m * v,
+                                            label="pp.send_recv"))
+        return e
+
     def configure(self, ctx) -> None:
         c = self.config
         pm = ctx.strategy.config("parallel_mode")
@@ -100,6 +164,44 @@ class PipelineParallel(Method):
         from ..parallel.pipeline.build import build_pipeline  # imports torch.distributed.pipelining (~1 s)
 
         build_pipeline(ctx, self.config, signature=inspect.signature(ctx.model.forward))
+
+
+def stage_loads(info, c: PipelineConfig, pp: int) -> list:
+    """What each pipeline rank holds (:class:`~torchloom.search.effects.StageLoad`): from ``plan_stages`` on
+    ``info.module`` when the analysis kept the meta model (the split ``apply`` makes), else the same
+    parameter balance over [embedding, blocks..., head]. Memoised on ``info`` per configuration."""
+    from ..parallel.pipeline.placement import stage_ranks
+    from ..search.effects import StageLoad, block_params, embed_params
+
+    key = (pp, c.virtual, c.schedule, tuple(c.split_points or ()), c.balance)
+    memo = info.__dict__.setdefault("_stage_loads", {})
+    if key in memo:
+        return memo[key]
+    num = pp * c.virtual
+    style = SCHEDULES[c.schedule][2]
+    if info.module is not None:
+        from ..parallel.pipeline.build import plan_stages
+
+        _, specs, _ = plan_stages(info.module, c, pp, profile=False)
+        kinds = [[u.kind for u in s.units] for s in specs]
+    else:
+        from ..parallel.pipeline.split import balance_by_cost
+
+        rest = info.rest.params if info.rest is not None else 0
+        emb = embed_params(info)
+        units = ["embed", *["block"] * info.num_blocks, "head"]
+        costs = [float(emb), *[block_params(info)] * info.num_blocks, float(max(rest - emb, 1))]
+        bounds = [0, *balance_by_cost(costs, num), len(units)]
+        kinds = [units[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    ranks = stage_ranks(pp, num, style)
+    loads = [StageLoad(0) for _ in range(pp)]
+    for s, ks in enumerate(kinds):
+        load = loads[ranks[s]]
+        load.blocks += ks.count("block")
+        load.first |= "embed" in ks
+        load.last |= "head" in ks
+    memo[key] = loads
+    return loads
 
 
 def _check_schedule_fits(c: PipelineConfig, strategy, ddp: bool | None = None) -> None:

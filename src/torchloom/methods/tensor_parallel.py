@@ -83,6 +83,59 @@ class TensorParallel(Method):
                         "[('parallel_mode', {'dp_shard': N, 'tp': M}), 'tensor_parallel', 'fsdp'] (2-D, as "
                         "torchtitan), or {'dp_replicate': N, 'tp': M} with fsdp to replicate instead of shard."}
 
+    search_configs = ({},)
+
+    def estimate(self, info, dims, hw, step):
+        """Megatron tensor parallelism per rank, per micro-batch:
+
+        * matmul FLOPs, parameters, gradients and optimizer state 1/tp (norms replicated, ignored);
+        * activations of a block: ``(10 + 24/t + 5as/(ht)) / (34 + 5as/h)`` of the unsharded ones
+          (Korthikanti et al. 2022, eqs. 1-2: LayerNorm inputs, dropout masks and the residual are
+          replicated), ``1/t`` with sequence parallel; the logits 1/t under loss_parallel, else gathered;
+        * memory-bound bytes: the same replicated share (``0.3 + 0.7/t``), ``1/t`` with sequence parallel;
+        * per block, on the critical path: 2 all-reduces of the hidden state in forward and 2 in backward
+          (sequence parallel: as many all-gathers plus reduce-scatters of the same tensor); the vocabulary-
+          parallel embedding all-reduces its output, the head gathers the logits (not under loss_parallel:
+          three small all-reduces of per-token statistics) and all-reduces its input gradient;
+        * DTensor: ``_TP_OPS_PER_GEMM`` extra dispatched ops per GEMM (redistribute/to_local/from_local).
+        """
+        from ..search.effects import (Collective, Effects, activation_bytes, blocks_per_rank, dtype_bytes,
+                                      hidden_bytes)
+
+        t = dims.tp
+        if t <= 1:
+            return None
+        sp, lp = "sequence_parallel" in step.methods, "loss_parallel" in step.methods
+        h, a = info.dims.get("hidden_size", 0), info.dims.get("num_heads", 0)
+        att = 5.0 * a * step.seq_len / h if h and a else 0.0
+        blk = 1.0 / t if sp else (10 + 24 / t + att / t) / (34 + att)
+        blocks, rest = activation_bytes(info, step)
+        rest_scale = 1.0 / t if lp else 1.0
+        e = Effects(self.name, matmul_scale=1.0 / t, other_scale=1.0 / t if sp else 0.3 + 0.7 / t,
+                    memory_scale={"params": 1.0 / t, "grads": 1.0 / t, "optimizer": 1.0 / t})
+        if blocks + rest > 0:
+            e.memory_scale["activations"] = (blocks * blk + rest * rest_scale) / (blocks + rest)
+        gemms = sum(g.count for p in info.blocks for g in p.fwd.matmuls) / max(info.num_blocks, 1)
+        e.ops_add = _TP_OPS_PER_GEMM * gemms
+        hb = hidden_bytes(info, step)
+        calls = step.grad_accum * blocks_per_rank(info, dims) * 4
+        if hb and calls:
+            if sp:
+                e.collectives += [Collective("all_gather", hb, "tp", calls=calls, label="tp.all_gather"),
+                                  Collective("reduce_scatter", hb, "tp", calls=calls, label="tp.reduce_scatter")]
+            else:
+                e.collectives.append(Collective("all_reduce", hb, "tp", calls=calls, label="tp.all_reduce"))
+        if hb:
+            m = step.grad_accum
+            e.collectives.append(Collective("all_reduce", hb, "tp", calls=2 * m, label="tp.embed_head_all_reduce"))
+            tokens = step.micro_batch * step.seq_len
+            if lp:
+                e.collectives.append(Collective("all_reduce", tokens * 4, "tp", calls=3 * m, label="tp.loss_parallel"))
+            elif info.dims.get("vocab_size"):
+                logits = tokens * info.dims["vocab_size"] * dtype_bytes(step.compute_dtype)
+                e.collectives.append(Collective("all_gather", logits, "tp", calls=m, label="tp.logits_all_gather"))
+        return e
+
     def configure(self, ctx) -> None:
         mode = ctx.strategy.config("parallel_mode")
         mode_tp = getattr(mode, "tp", None)
@@ -227,6 +280,11 @@ class LossParallel(Method):
         if ctx.mesh.dims.tp > 1:
             ctx.step_contexts.append(loss_parallel)
             ctx.note("loss_parallel: cross-entropy on vocab-sharded logits inside loss_parallel()")
+
+
+#: extra dispatched ops per GEMM of a tensor-parallel block per forward (DTensor from_local, redistribute,
+#: to_local and their bookkeeping around each sharded Linear), CPU eager
+_TP_OPS_PER_GEMM = 6.0
 
 
 def _blocks(name: str) -> str:

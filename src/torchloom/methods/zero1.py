@@ -34,6 +34,20 @@ class Zero1(Method):
                                       "{'reshard_after_forward': False}) (alias 'zero2'): it shards the optimizer "
                                       "state under pipelining and saves it by parameter name."}
 
+    search_configs = ({},)
+
+    def estimate(self, info, dims, hw, step):
+        """Optimizer state 1/dp per rank; after the step each rank broadcasts its updated shard
+        (``dp`` broadcasts of 1/dp of the parameters, on the critical path)."""
+        from ..search.effects import Collective, Effects, dtype_bytes, rank_params
+
+        dp = dims.dp
+        e = Effects(self.name, memory_scale={"optimizer": 1.0 / dp})
+        if dp > 1:
+            shard = rank_params(info, dims) * dtype_bytes(step.param_dtype) / dp
+            e.collectives.append(Collective("broadcast", shard, "dp", calls=dp, label="zero1.broadcast"))
+        return e
+
     def wrap_optimizer(self, ctx) -> None:
         opt = ctx.optimizer
         if hasattr(opt, "first_step") and hasattr(opt, "second_step"):

@@ -1,0 +1,357 @@
+"""The cost model: ``predict(candidate, info, hw) -> Prediction`` by pure arithmetic (no process group, no
+allocated model; ~0.1 ms per candidate, so ``loom plan`` can rank thousands).
+
+1. The single-device baseline from :class:`~torchloom.search.model_info.ModelInfo`: parameters, gradients
+   and Adam state (2 x the trainable elements) in the parameter dtype (fp32, or the ``half`` dtype), the
+   activations of one micro-batch from ``act_bytes`` of the compute dtype, the largest transient of a part.
+2. Every method's :class:`~torchloom.search.effects.Effects` (its ``estimate`` hook), applied in stage order
+   by the rules of :mod:`torchloom.search.effects`.
+3. Time per micro-batch on the slowest rank: each GEMM at the achieved rate for its size
+   (``hw.matmul_rate``), the other bytes at ``hw.mem_bw``, each dispatched op at ``hw.op_overhead_s``;
+   recomputation; the pipeline bubble; collectives at ``hw.collective_time`` over their group, exposed
+   when they cannot overlap (see :func:`_exposed`); the optimizer step as memory-bound traffic.
+4. Peak memory per rank: the larger of the backward peak (params, optimizer state, activations in flight,
+   transient buffers, the gradients that exist then) and the optimizer-step peak (all gradients plus the
+   step's temporaries), plus allocator headroom (:data:`HEADROOM`). See docs/cost_model.md.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..strategy.registry import resolve_name
+from .candidate import Candidate, Prediction, StepShape
+from .effects import DTYPE_BYTES, MEMORY, Collective, Effects, PipelineShape, StageLoad
+from .hardware import Hardware
+from .model_info import ModelInfo, PassCost
+
+
+#: allocator headroom as a fraction of the allocated peak, by device type. CUDA: the caching allocator
+#: reserves whole segments and fragments under changing sizes; the reserved peak (what
+#: ``torch.cuda.max_memory_reserved`` and out-of-memory see) runs ~5% above the allocated peak for
+#: transformer training with stable shapes (a planning assumption, not fitted to any row). CPU: the
+#: host allocator returns memory to the OS, nothing reserved is counted.
+HEADROOM = {"cuda": 0.05, "cpu": 0.0}
+
+#: fraction of a collective's overlappable time that compute actually hides, by device type. CUDA: NCCL
+#: runs on its own streams (full overlap assumed). CPU/gloo: the collective's thread competes with the
+#: compute threads for the same cores, so little is hidden (see docs/cost_model.md).
+OVERLAP_EFFICIENCY = {"cuda": 1.0, "cpu": 0.0}
+
+#: Adam's step per updated element: reads param, grad, exp_avg, exp_avg_sq, writes param and both states
+#: (in units of the element sizes: 2 x param + 1 x grad + 4 x state).
+_ADAM_PARAM_RW, _ADAM_GRAD_R, _ADAM_STATE_RW = 2, 1, 4
+
+
+def predict(cand: Candidate, info: ModelInfo, hw: Hardware, *, memory_limit: float | None = None) -> Prediction:
+    """Predict one optimizer step of ``cand`` for the model ``info`` on ``hw``, per rank (the most loaded).
+
+    Args:
+        cand: the plan (dims must be resolved: their product is the world size).
+        info: the model analysis (costs at micro-batch 1, ``info.seq_len`` tokens; ``cand.seq_len`` may
+            differ: compute and activations scale linearly with the tokens, which ignores attention's
+            quadratic term for the difference).
+        hw: the machine.
+        memory_limit: bytes per rank to compare with (default ``hw.memory_bytes``).
+
+    Returns:
+        a :class:`Prediction`: ``time`` parts sum to ``step_time_s``, ``memory`` parts to
+        ``peak_memory_bytes``.
+
+    Raises:
+        StrategyError: a method name that is not registered.
+        ValueError: hardware without the calibration a term needs.
+    """
+    methods = _method_instances(cand)
+    step = StepShape.of(cand, info.param_dtype)
+    dims = cand.dims
+    notes: list[str] = []
+    effects: list[Effects] = []
+    for m in methods:
+        e = m.estimate(info, dims, hw, step)
+        if e is not None:
+            e.method = e.method or type(m).name
+            effects.append(e)
+            notes.extend(f"{e.method}: {n}" for n in e.notes)
+    scale_tokens = cand.seq_len / info.seq_len if info.seq_len else 1.0
+    mb = cand.micro_batch * scale_tokens  # micro-batch in units of the analysed sample
+    state = _Baseline(info, step, mb)
+    mem = state.memory()
+
+    # -- apply effects in stage order -------------------------------------------------------------
+    mm = other = ops_scale = 1.0
+    ops_add = recompute = 0.0
+    time_add: dict[str, float] = {}
+    collectives: list[tuple[str, Collective]] = []
+    pipeline: PipelineShape | None = None
+    grads_persistent, unsharded_grads = False, 0.0
+    for e in effects:
+        for cat in MEMORY:
+            mem[cat] = mem[cat] * e.memory_scale.get(cat, 1.0) + e.memory_add.get(cat, 0.0)
+        mm *= e.matmul_scale
+        other *= e.other_scale
+        ops_scale *= e.ops_scale
+        ops_add += e.ops_add
+        recompute = min(1.0, recompute + e.recompute_fraction)
+        for k, v in e.time_add.items():
+            time_add[f"{e.method}.{k}"] = time_add.get(f"{e.method}.{k}", 0.0) + v
+        collectives += [(e.method, c) for c in e.collectives]
+        grads_persistent |= e.grads_persistent
+        unsharded_grads = max(unsharded_grads, e.grads_unsharded_accum)
+        if e.pipeline is not None:
+            pipeline = e.pipeline
+
+    # -- compute on the slowest rank ----------------------------------------------------------------
+    loads = pipeline.ranks if pipeline is not None else [StageLoad(info.num_blocks, True, True)]
+    dtype = step.compute_dtype
+    cache = _pass_cache(info, hw)
+    per_rank = []
+    for load in loads:
+        tf = tb = tr = 0.0
+        for i, part in enumerate(info.parts):
+            is_rest = part.name == "rest"
+            n = (1.0 if load.last else 0.0) if is_rest else part.count * load.blocks / max(info.num_blocks, 1)
+            if n == 0:
+                continue
+            extra = 0.0 if is_rest else ops_add
+            f = _pass_time(cache, (i, "f"), part.fwd, mb, dtype, hw, mm, other, ops_scale, extra)
+            b = _pass_time(cache, (i, "b"), part.bwd, mb, dtype, hw, mm, other, ops_scale, 2 * extra)
+            tf, tb = tf + n * f, tb + n * b
+            if not is_rest:
+                tr += n * f * recompute
+        per_rank.append((tf + tb + tr, tf, tb, tr))
+    _, tf, tb, tr = max(per_rank)
+    accum = cand.grad_accum
+    time: dict[str, float] = {"forward": accum * tf, "backward": accum * tb}
+    if tr:
+        time["recompute"] = accum * tr
+    if pipeline is not None:
+        bubble = max(0.0, pipeline.bubble_fwd * tf + pipeline.bubble_bwd * (tb + tr))
+        time["bubble"] = bubble
+        notes.append(f"pipeline_parallel: {pipeline.schedule} p={pipeline.stages} v={pipeline.virtual} "
+                     f"m={pipeline.microbatches}: bubble {bubble / max(sum(time.values()), 1e-30):.1%} of compute")
+
+    # -- communication -------------------------------------------------------------------------------
+    eff = OVERLAP_EFFICIENCY.get(hw.device_type, 1.0)
+    windows = {"forward": time["forward"] * eff, "backward": (time["backward"] + time.get("recompute", 0.0)) * eff}
+    windows["compute"] = windows["forward"] + windows["backward"]
+    records, exposed_total = _exposed(collectives, dims, hw, windows)
+    for r in records:
+        if r["exposed_s"] > 0:
+            key = f"comm_exposed:{r['label']}"
+            time[key] = time.get(key, 0.0) + r["exposed_s"]
+
+    # -- optimizer step: memory-bound traffic over the rank's updated elements ----------------------------
+    time["optimizer"] = _optimizer_time(mem, step, hw)
+    time.update(time_add)
+
+    # -- memory peak -------------------------------------------------------------------------------
+    if cand.grad_accum > 1 and unsharded_grads:
+        mem["grads"] = max(mem["grads"], unsharded_grads)
+    if pipeline is not None:
+        notes.append(f"pipeline_parallel: activations of {pipeline.in_flight:g} micro-batches in flight on the "
+                     f"first stage")
+    memory = _peak(mem, state, grads_persistent or cand.grad_accum > 1, hw)
+    peak = sum(memory.values())
+
+    step_time = sum(time.values())
+    world = math.prod(dims.as_dict().values())
+    tokens = cand.global_batch * cand.seq_len
+    tps = tokens / step_time if step_time > 0 else 0.0
+    peak_flops = hw.peak_flops.get(dtype) or hw.peak_flops.get("float32", 0.0)
+    model_flops = info.flops_per_sample() * scale_tokens * cand.global_batch
+    mfu = model_flops / step_time / world / peak_flops if step_time > 0 and peak_flops else 0.0
+    return Prediction(
+        step_time_s=step_time, time=time, memory=memory, peak_memory_bytes=peak,
+        memory_limit_bytes=hw.memory_bytes if memory_limit is None else memory_limit,
+        tokens_per_s=tps, tokens_per_s_per_device=tps / world, mfu=mfu, peak_flops=peak_flops,
+        collectives=records, notes=notes,
+    )
+
+
+# -- baseline ----------------------------------------------------------------------------------------
+class _Baseline:
+    """The single-device memory of the model at micro-batch ``mb`` (in analysed samples)."""
+
+    def __init__(self, info: ModelInfo, step: StepShape, mb: float):
+        self.info, self.step, self.mb = info, step, mb
+        self.pbytes = DTYPE_BYTES.get(step.param_dtype, 4)
+        native = DTYPE_BYTES.get(info.param_dtype, 4)
+        self.param_ratio = self.pbytes / native
+
+    def memory(self) -> dict[str, float]:
+        info, pb = self.info, self.pbytes
+        params = sum(p.param_bytes * p.count for p in info.parts) * self.param_ratio
+        trainable = info.n_trainable
+        return {
+            "params": params,
+            "grads": trainable * pb,
+            "optimizer": 2.0 * trainable * pb,  # Adam exp_avg + exp_avg_sq in the parameter dtype
+            "activations": self.activations_per_microbatch(),
+            "temporary": max((p.peak_extra_bytes for p in info.parts), default=0.0) * self.mb,
+        }
+
+    def activations_per_microbatch(self) -> float:
+        dt = self.step.compute_dtype
+        total = 0.0
+        for p in self.info.parts:
+            a = p.act_bytes.get(dt)
+            if a is None:  # not traced in this dtype: scale the fp32 trace by the element size
+                a = p.act_bytes.get("float32", 0.0) * DTYPE_BYTES.get(dt, 4) / 4
+            total += a * p.count
+        return total * self.mb
+
+
+def _peak(mem: dict[str, float], state: _Baseline, grads_live: bool, hw: Hardware) -> dict[str, float]:
+    """The larger of the backward peak and the optimizer-step peak, by category, with headroom.
+
+    Backward peak: params + optimizer + activations + temporaries + the gradients that exist at the start of
+    backward (all of them when they persist across steps or accumulate, else none yet: autograd frees
+    activations as it creates gradients, so only one of the two is at its maximum at a time).
+    Step peak: params + optimizer + all gradients + the step's temporaries (foreach Adam: ~one fp32 copy of
+    the updated elements).
+    """
+    backward = {"params": mem["params"], "grads": mem["grads"] if grads_live else 0.0,
+                "optimizer": mem["optimizer"], "activations": mem["activations"], "temporary": mem["temporary"]}
+    elems = mem["optimizer"] / (2 * state.pbytes) if state.pbytes else 0.0
+    opt_step = {"params": mem["params"], "grads": mem["grads"], "optimizer": mem["optimizer"],
+                "activations": 0.0, "temporary": elems * 4.0}
+    out = dict(max(backward, opt_step, key=lambda d: sum(d.values())))
+    out["headroom"] = HEADROOM.get(hw.device_type, 0.0) * sum(out.values())
+    return out
+
+
+# -- compute -----------------------------------------------------------------------------------------
+def _pass_cache(info: ModelInfo, hw: Hardware) -> dict:
+    """Per (model, hardware) memo of pass times (the same part/micro-batch/dtype/scales recur across
+    thousands of candidates). Kept on the ModelInfo; invalidated when another Hardware object is used."""
+    c = info.__dict__.get("_pass_cache")
+    if c is None or c[0] is not hw:
+        c = (hw, {})
+        info.__dict__["_pass_cache"] = c
+    return c[1]
+
+
+def _pass_time(cache: dict, key, pc: PassCost, mb: float, dtype: str, hw: Hardware, mm: float, other: float,
+               ops_scale: float, ops_add: float) -> float:
+    """Seconds of one pass of one part instance at micro-batch ``mb`` (per rank)."""
+    k = (key, mb, dtype, mm, other, ops_scale, ops_add)
+    t = cache.get(k)
+    if t is not None:
+        return t
+    t, listed = 0.0, 0.0
+    for g in pc.matmuls:
+        one = 2.0 * g.m * mb * g.n * g.k * mm
+        if one > 0:
+            t += g.count * one / hw.matmul_rate(dtype, one)
+        listed += g.flops
+    rest = (pc.matmul_flops - listed) * mb * mm  # FLOPs without shapes (e.g. SDPA): the largest listed rate
+    if rest > 0:
+        size = max((2.0 * g.m * mb * g.n * g.k * mm for g in pc.matmuls), default=rest)
+        t += rest / hw.matmul_rate(dtype, size)
+    if hw.mem_bw > 0:
+        t += pc.other_bytes * mb * other / hw.mem_bw
+    t += (pc.ops * ops_scale + ops_add) * hw.op_overhead_s
+    cache[k] = t
+    return t
+
+
+def _optimizer_time(mem: dict[str, float], step: StepShape, hw: Hardware) -> float:
+    """Adam over the rank's updated elements (optimizer bytes / two states), memory-bound."""
+    sb = DTYPE_BYTES.get(step.param_dtype, 4)
+    elems = mem["optimizer"] / (2 * sb)
+    traffic = elems * (_ADAM_PARAM_RW * sb + _ADAM_GRAD_R * sb + _ADAM_STATE_RW * sb)
+    return traffic / hw.mem_bw if hw.mem_bw > 0 else 0.0
+
+
+# -- communication -----------------------------------------------------------------------------------
+def view_degree(dims, view: str) -> int:
+    """Group size of a mesh view (``dp`` = dp_replicate x dp_shard)."""
+    return dims.dp if view == "dp" else getattr(dims, view)
+
+
+def spans_nodes(dims, view: str, ranks_per_node: int) -> bool:
+    """Whether some group of ``view`` has ranks on more than one node, for the mesh order pp, dp_replicate,
+    dp_shard, ep, tp (tp innermost; consecutive global ranks fill a node). A group of degree ``g`` whose ranks
+    are ``stride`` apart (the product of the inner degrees) lies in an aligned block of ``stride * g`` ranks:
+    every such block fits in a node iff ``stride * g`` divides ``ranks_per_node``."""
+    g = view_degree(dims, view)
+    if g <= 1:
+        return False
+    inner = _ORDER[_ORDER.index("dp_shard" if view == "dp" else view) + 1:]
+    block = math.prod(getattr(dims, d) for d in inner) * g
+    return block > ranks_per_node or ranks_per_node % block != 0
+
+
+_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+
+
+def _exposed(collectives: list[tuple[str, Collective]], dims, hw: Hardware,
+             windows: dict[str, float]) -> tuple[list[dict[str, Any]], float]:
+    """Price every collective and split it into hidden and exposed seconds.
+
+    Per overlap phase, the overlappable seconds of all its collectives share the phase's compute window
+    (``OVERLAP_EFFICIENCY`` x the phase's compute): exposed = max(0, overlappable - window), spread over
+    them in proportion, plus the calls that can never overlap. ``"none"`` collectives are fully exposed.
+    """
+    recs = []
+    for method, c in collectives:
+        g = view_degree(dims, c.view)
+        if g <= 1 or c.calls <= 0 or c.nbytes <= 0:
+            continue
+        across = hw.num_nodes > 1 and spans_nodes(dims, c.view, hw.ranks_per_node)
+        one = hw.collective_time(c.kind, c.nbytes, g, spans_nodes=across)
+        total = one * c.calls
+        fixed = one * min(c.exposed_calls, c.calls) if c.overlap != "none" else total
+        recs.append({"label": c.label or f"{method}.{c.kind}", "kind": c.kind, "bytes": c.nbytes, "view": c.view,
+                     "group": g, "calls": c.calls, "spans_nodes": across, "seconds": total, "overlap": c.overlap,
+                     "_fixed": fixed, "_free": total - fixed})
+    used = dict.fromkeys(windows, 0.0)
+    for phase in ("forward", "backward", "compute"):
+        group = [r for r in recs if r["overlap"] == phase]
+        free = sum(r["_free"] for r in group)
+        window = windows[phase] - (used["forward"] + used["backward"] if phase == "compute" else used[phase])
+        hidden = min(free, max(0.0, window))
+        used[phase] += hidden
+        for r in group:
+            r["exposed_s"] = r["_fixed"] + (r["_free"] - hidden * r["_free"] / free if free else 0.0)
+    for r in recs:
+        if r["overlap"] == "none":
+            r["exposed_s"] = r["seconds"]
+        r.pop("_fixed")
+        r.pop("_free")
+    return recs, sum(r["exposed_s"] for r in recs)
+
+
+# -- methods -------------------------------------------------------------------------------------------
+_METHOD_CACHE: dict[str, Any] = {}
+
+
+def _method_instances(cand: Candidate) -> list:
+    """The candidate's method objects in stage order, with what ``auto_accelerate`` adds: implied methods,
+    and a data-parallel method for dp > 1 when none is given (ddp; under tensor parallelism a replicating
+    fsdp, ``torchloom.strategy.data_parallel``)."""
+    import json
+
+    from ..strategy.data_parallel import REPLICATING_FSDP
+
+    items = [(n, dict(c)) for n, c in cand.methods if n != "parallel_mode"]
+    names = set()
+    out = []
+    for n, c in items:
+        cls, overrides = resolve_name(n)
+        names.add(cls.name)
+        for imp in cls.implies:
+            if imp not in [x for x, _ in items]:
+                items.append((imp, {}))
+    if cand.dims.dp > 1 and not any(resolve_name(n)[0].data_parallel for n, _ in items):
+        items.append(REPLICATING_FSDP if "tensor_parallel" in names else ("ddp", {}))
+    for n, c in items:
+        key = json.dumps([n, c], sort_keys=True, default=str)
+        m = _METHOD_CACHE.get(key)
+        if m is None:
+            cls, overrides = resolve_name(n)
+            m = cls(cls.Config(**{cls.key_aliases.get(k, k): v for k, v in {**overrides, **c}.items()}))
+            _METHOD_CACHE[key] = m
+        out.append(m)
+    return sorted(out, key=lambda m: type(m).stage)

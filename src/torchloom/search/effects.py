@@ -1,0 +1,215 @@
+"""What one strategy method does to a rank's step: the vocabulary of the methods' ``estimate`` hooks.
+
+A method's :meth:`~torchloom.strategy.registry.Method.estimate` returns an :class:`Effects`; the cost model
+(:func:`torchloom.search.cost.predict`) starts from the single-device baseline of a
+:class:`~torchloom.search.model_info.ModelInfo` and applies every method's effects **in stage order** by
+the same rules, so a user-registered method that implements ``estimate`` composes with the built-ins:
+
+* memory, per category (:data:`MEMORY`): ``value = value * memory_scale[cat] + memory_add[cat]`` (bytes per
+  rank); a later method's scale also scales an earlier method's addition (FSDP shards what a user method
+  added to ``params``). ``temporary`` additions are transient buffers (FSDP's gathered blocks, DDP buckets).
+* compute: ``matmul_scale``, ``other_scale`` and ``ops_scale`` multiply the per-rank matmul FLOPs, the
+  memory-bound bytes and the dispatched op count of every pass (tensor parallel divides the matmuls);
+  ``ops_add`` adds ops per block instance per forward (backward gets twice as many); ``recompute_fraction``
+  (summed, capped at 1) is the fraction of the rank's block forward run again in backward (checkpointing);
+  ``time_add`` adds seconds per optimizer step under its own label (offload copies, a user method's extra
+  work). ``grads_persistent`` says the gradients stay allocated across steps (DDP buckets).
+* communication: each :class:`Collective` is priced with ``Hardware.collective_time`` over the group of
+  its mesh view; what may overlap with compute is hidden up to the compute of the phase it overlaps.
+* pipeline: at most one method returns a :class:`PipelineShape` (which blocks each pipeline rank runs,
+  the schedule's bubble and the micro-batches in flight).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+#: bytes per element by dtype name
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+#: memory categories the cost model tracks per rank (the Prediction adds ``headroom``)
+MEMORY = ("params", "grads", "optimizer", "activations", "temporary")
+
+#: what a collective can overlap with: the forward or backward compute of the step, any compute, or nothing
+OVERLAPS = ("forward", "backward", "compute", "none")
+
+#: mesh views a collective can run over (``dp`` = dp_replicate x dp_shard, flattened)
+VIEWS = ("dp", "dp_replicate", "dp_shard", "tp", "pp", "ep")
+
+
+@dataclass
+class Collective:
+    """One kind of collective a method issues, per rank.
+
+    Attributes:
+        kind: one of ``torchloom.search.hardware.COLLECTIVES`` (``"all_reduce"``, ``"all_gather"``, ...).
+        nbytes: bytes per rank per call, as ``Hardware.collective_time`` reads them (the tensor all-reduced,
+            the *output* of an all-gather, the *input* of a reduce-scatter, the tensor sent).
+        view: the mesh view it runs over (:data:`VIEWS`); its degree is the group size.
+        calls: calls per optimizer step.
+        overlap: the compute phase it can hide behind (:data:`OVERLAPS`).
+        exposed_calls: how many of ``calls`` can never overlap (FSDP's first all-gather of a pass, the last
+            reduce-scatter, DDP's last bucket).
+        label: the name in the breakdown (``"fsdp.all_gather"``); default ``"<method>.<kind>"``.
+    """
+
+    kind: str
+    nbytes: float
+    view: str
+    calls: float = 1.0
+    overlap: str = "none"
+    exposed_calls: float = 0.0
+    label: str = ""
+
+    def __post_init__(self):
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"Collective.overlap must be one of {OVERLAPS}, got {self.overlap!r}.")
+        if self.view not in VIEWS:
+            raise ValueError(f"Collective.view must be one of {VIEWS}, got {self.view!r}.")
+        if self.nbytes < 0 or self.calls < 0:
+            raise ValueError(f"Collective {self.kind}: nbytes and calls must be >= 0, got {self.nbytes}, {self.calls}.")
+
+
+@dataclass
+class StageLoad:
+    """What one pipeline rank holds and runs: ``blocks`` block instances (all its virtual stages together),
+    and whether it has the model's first units (embeddings) and last units (final norm, head, loss)."""
+
+    blocks: int
+    first: bool = False
+    last: bool = False
+
+
+@dataclass
+class PipelineShape:
+    """A pipeline schedule as the cost model prices it.
+
+    Attributes:
+        schedule: the schedule name (``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"zero_bubble"``, ``"zbv"``).
+        stages: pipeline degree ``p``; ``virtual``: stages per rank ``v``; ``microbatches``: ``m`` per step.
+        ranks: the load of each pipeline rank (length ``p``).
+        bubble_fwd / bubble_bwd: the bubble in seconds is ``bubble_fwd * t_f + bubble_bwd * t_b`` (clamped at
+            0), with ``t_f``/``t_b`` one micro-batch's forward/backward on the slowest rank: 1F1B and GPipe
+            ``(p-1)`` and ``(p-1)``, so the bubble fraction is ``(p-1)/(m+p-1)``; interleaved ``(p-1)/v``.
+        in_flight: micro-batches whose activations the first rank holds at the peak (1F1B ``min(m, p)``,
+            GPipe ``m``).
+        boundary_bytes: bytes of one micro-batch's activation sent between stages (per micro-batch 1 sample
+            count is already multiplied in).
+    """
+
+    schedule: str
+    stages: int
+    virtual: int
+    microbatches: int
+    ranks: list[StageLoad]
+    bubble_fwd: float
+    bubble_bwd: float
+    in_flight: float
+    boundary_bytes: float = 0.0
+
+
+@dataclass
+class Effects:
+    """What one method does per rank per optimizer step (see the module docstring for the composition rules).
+
+    Attributes:
+        method: the method's name (labels in the breakdown).
+        memory_scale / memory_add: per category of :data:`MEMORY`: multiplier and bytes added per rank.
+        matmul_scale / other_scale / ops_scale: multipliers of the per-rank matmul FLOPs, memory-bound bytes
+            and op count of every forward/backward pass.
+        ops_add: extra dispatched ops per block instance per forward pass (backward: twice as many).
+        recompute_fraction: fraction of the rank's block forward recomputed in backward.
+        time_add: seconds per optimizer step by label (added to the step time as they are).
+        grads_persistent: the gradients stay allocated across steps (counted in the backward peak).
+        grads_unsharded_accum: bytes per rank of the gradients while micro-batches accumulate without a
+            reduction (FSDP2 keeps them unsharded): with ``grad_accum > 1`` the grads category is at least this.
+        collectives: the collectives the method adds.
+        pipeline: the pipeline shape (only the pipeline method sets it).
+        notes: assumptions the estimate made.
+    """
+
+    method: str = ""
+    memory_scale: dict[str, float] = field(default_factory=dict)
+    memory_add: dict[str, float] = field(default_factory=dict)
+    matmul_scale: float = 1.0
+    other_scale: float = 1.0
+    ops_scale: float = 1.0
+    ops_add: float = 0.0
+    recompute_fraction: float = 0.0
+    time_add: dict[str, float] = field(default_factory=dict)
+    grads_persistent: bool = False
+    grads_unsharded_accum: float = 0.0
+    collectives: list[Collective] = field(default_factory=list)
+    pipeline: PipelineShape | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        for d in (self.memory_scale, self.memory_add):
+            bad = [k for k in d if k not in MEMORY]
+            if bad:
+                raise ValueError(f"Effects of {self.method or 'a method'}: unknown memory categories {bad}; "
+                                 f"use {MEMORY}.")
+
+
+# -- arithmetic the estimate hooks share ----------------------------------------------------------------
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a dtype name (4 for an unknown name)."""
+    return DTYPE_BYTES.get(name, 4)
+
+
+def blocks_per_rank(info, dims) -> int:
+    """Block instances on the most loaded pipeline rank (all blocks without pipelining)."""
+    return math.ceil(info.num_blocks / max(dims.pp, 1)) if info.num_blocks else 0
+
+
+def embed_params(info) -> int:
+    """Parameter elements of the input embedding (``vocab_size x hidden_size`` when both are known, else half
+    of the non-block rest: embedding and head)."""
+    rest = info.rest
+    total = rest.params if rest is not None else 0
+    v, h = info.dims.get("vocab_size"), info.dims.get("hidden_size")
+    return min(total, v * h) if v and h else total // 2
+
+
+def rank_params(info, dims, *, trainable: bool = False) -> float:
+    """Parameter elements one rank holds after tensor and pipeline parallelism (before data-parallel
+    sharding): the blocks of the most loaded pipeline rank plus, under pipelining, the larger of the
+    embedding (first stage) and the head (last stage; tied weights live on both), all divided by ``tp``
+    (norms are replicated over tp ranks: a small overcount of the saving)."""
+    attr = "trainable" if trainable else "params"
+    nb = max(info.num_blocks, 1)
+    block_total = sum(getattr(p, attr) * p.count for p in info.blocks)
+    rest = info.rest
+    rest_total = getattr(rest, attr) if rest is not None else 0
+    if dims.pp > 1:
+        embed = min(embed_params(info), rest_total)
+        head = rest_total - embed if not info.tied else max(rest_total - embed, embed)
+        rest_total = max(embed, head)
+    return (block_total * blocks_per_rank(info, dims) / nb + rest_total) / max(dims.tp, 1)
+
+
+def block_params(info) -> float:
+    """Mean parameter elements of one block instance."""
+    nb = max(info.num_blocks, 1)
+    return sum(p.params * p.count for p in info.blocks) / nb
+
+
+def hidden_bytes(info, step, dtype: str | None = None) -> float:
+    """Bytes of one micro-batch's hidden state (``micro_batch x seq_len x hidden_size``) in ``dtype`` (default
+    the compute dtype); 0 when the hidden size is unknown."""
+    h = info.dims.get("hidden_size", 0)
+    return step.micro_batch * step.seq_len * h * dtype_bytes(dtype or step.compute_dtype)
+
+
+def activation_bytes(info, step) -> tuple[float, float]:
+    """Baseline activations of one micro-batch: ``(blocks, rest)`` bytes in the compute dtype (the analysed
+    sequence length scaled to ``step.seq_len``)."""
+    scale = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
+
+    def act(p):
+        a = p.act_bytes.get(step.compute_dtype)
+        return a if a is not None else p.act_bytes.get("float32", 0.0) * dtype_bytes(step.compute_dtype) / 4
+
+    blocks = sum(act(p) * p.count for p in info.blocks) * scale
+    rest = act(info.rest) * scale if info.rest is not None else 0.0
+    return blocks, rest
