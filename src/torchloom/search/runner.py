@@ -13,7 +13,7 @@ was asked for (e.g. ``RecordingWindows``) sees the trials' reads.
 
 Failures are results, not errors: an out-of-memory (``torch.OutOfMemoryError``) or any exception in a trial is
 recorded in its :class:`TrialResult` and the next trial runs. The ranks agree after every phase of a trial
-(building, each step) with one small all-reduce of ``[failed, oom, over budget, step time]`` on the default
+(building the model, applying the strategy, each warm-up step, each measured block) with one small all-reduce of ``[failed, oom, over budget, step time]`` on the default
 group, so a rank that failed and the ranks that did not stop together, and a time budget ends every rank's
 trial at the same step. Limitation: a rank that raises *inside* a collective region that its peers are still
 in (e.g. an OOM in one rank's forward while the others wait in FSDP's all-gather) leaves the peers blocked
@@ -63,7 +63,7 @@ class TrialResult:
         memory_source: how the peak was measured (``"memtracker"``, ``"fsdp_memtracker"``,
             ``"cuda_max_memory_allocated"``); ``memory_error`` says why it could not be, else ``""``.
         error: ``"rank R: Type: message"`` of the first failing rank, else None.
-        wall_s: seconds the trial took (build, warm-up, measurement, tear-down).
+        wall_s: seconds the trial took on the slowest rank (build, warm-up, measurement, tear-down).
         groups_destroyed: process groups the tear-down destroyed.
     """
 
@@ -192,7 +192,7 @@ def _run_one(cand, factory, recipe, sample_batch, steps, warmup, budget, measure
     finally:
         # the trial's frame is gone: its model, optimizer and dataloader can be freed before their groups
         result.groups_destroyed = state.restore(compiled="compile" in cand.names)
-        result.wall_s = time.perf_counter() - t0
+        result.wall_s = _agree([time.perf_counter() - t0])[0]  # the slowest rank's, so results are equal
         if result.step_times:
             result.step_time_s = statistics.median(result.step_times)
     return result
@@ -204,9 +204,16 @@ def _trial(result, t0, factory, recipe, sample_batch, steps, warmup, budget, mea
     from .measure import measure_steps
 
     cand = result.candidate
-    failure = None
+    phase = _Phase(result, t0, budget)
+    failure, model = None, None
     try:
-        res = auto_accelerate(factory(), recipe["optim_func"], recipe["dataset"], recipe["loss_func"],
+        model = factory()
+    except Exception as e:  # noqa: BLE001
+        failure = e
+    if phase.end(failure):  # before auto_accelerate's collectives: a factory failing on one rank cannot hang
+        return
+    try:
+        res = auto_accelerate(model, recipe["optim_func"], recipe["dataset"], recipe["loss_func"],
                               strategy=cand.strategy(), optim_args=recipe["optim_args"],
                               dataloader_args=_loader_args(cand, recipe["dataloader_args"]),
                               model_input_format=recipe["model_input_format"],
@@ -215,7 +222,7 @@ def _trial(result, t0, factory, recipe, sample_batch, steps, warmup, budget, mea
         next_batch = _batches(res, cand, sample_batch)
     except Exception as e:  # noqa: BLE001 - a failing candidate is a result
         failure = e
-    phase = _Phase(result, t0, budget)
+    del model
     if phase.end(failure):
         return
     warm: list[float] = []
