@@ -1,0 +1,239 @@
+"""The search: enumerate, prune, predict, rank, confirm the top-k with real runs, choose the best measured.
+
+Every rank computes the same ranking (the enumeration order, the cost model and the tie-break by the
+candidate's key are deterministic, and ``hw`` is the same on every rank), and the confirming runs agree on
+their results (``runner.run_trials``), so every rank chooses the same plan without a broadcast.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+from torch import nn
+
+from ..errors import StrategyError
+from ..parallel.dims import factorisations
+from .candidate import Candidate, Prediction
+from .hardware import Hardware
+from .model_info import ModelInfo
+from .options import SearchOptions
+from .result import Evaluated, SearchResult, Trial
+from .space import Space, ac_levels, check, enumerate_space, state_lower_bound, with_extra
+
+log = logging.getLogger("torchloom.search")
+
+#: ``runner(candidates, total_time_s=..., time_budget_s=..., steps=...) -> results`` (each with
+#: ``candidate``, ``status``, ``step_time_s``, ``peak_memory_bytes``, ``error``, ``wall_s``), e.g.
+#: ``functools.partial(torchloom.search.runner.run_trials, make_model=..., optim_func=..., ...)``.
+Runner = Callable[..., Sequence[Any]]
+Predictor = Callable[[Candidate, ModelInfo, Hardware], Prediction]
+
+
+def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_size: int, global_batch: int,
+           hw: Hardware, info: ModelInfo | None = None, seq_len: int | None = None,
+           options: SearchOptions | dict | None = None, runner: Runner | None = None,
+           predict: Predictor | None = None) -> SearchResult:
+    """Find the fastest plan for ``model`` on ``world_size`` ranks of ``hw`` at ``global_batch`` samples
+    (of ``seq_len`` tokens) per optimizer step.
+
+    Steps: enumerate the space (:func:`~torchloom.search.space.enumerate_space`, cheap pruning first), drop
+    what ``auto_accelerate`` would reject (:func:`~torchloom.search.space.check`), predict each base with the
+    least activation checkpointing that fits memory (``(1 - headroom)`` of ``hw.memory_bytes``), then FSDP
+    CPU offload when nothing fits on an accelerator; rank by predicted tokens/s (ties: the candidate's key),
+    confirm the ``top_k`` best with ``runner`` and choose the fastest measured one. The whole search honours
+    ``time_limit_s``: the trials get what the predictions left; when no trial finishes, the best predicted
+    plan is chosen with a warning.
+
+    Args:
+        model: the model (meta or CPU) or a factory, analysed on the meta device when ``info`` is not given.
+        info: a ready :class:`ModelInfo` (skips the analysis).
+        seq_len: tokens per sample (default ``info.seq_len``; needed to analyse ``model``).
+        options: a :class:`SearchOptions` or the user's ``search={...}`` dict.
+        runner: runs the confirming trials (see :data:`Runner`); None = predictions only.
+        predict: the cost model (default :func:`torchloom.search.cost.predict`).
+
+    Returns:
+        a :class:`SearchResult`.
+
+    Raises:
+        StrategyError: bad options, a global batch no data-parallel degree divides, or a model that fits no
+            candidate (by how much the smallest overflows, and what would make it fit).
+    """
+    t0 = time.perf_counter()
+    options = SearchOptions.parse(options)
+    if info is None:
+        info = _analyse(model, seq_len)
+    seq_len = seq_len or info.seq_len
+    if predict is None:
+        from .cost import predict
+    ranks_per_node = hw.ranks_per_node if hw.num_nodes > 1 else None
+    usable = hw.memory_bytes * (1 - options.headroom)
+    space = enumerate_space(info, world_size, global_batch, options, memory_bytes=hw.memory_bytes,
+                            ranks_per_node=ranks_per_node)
+    result = SearchResult(chosen=None, chosen_by="predicted", world_size=world_size,  # type: ignore[arg-type]
+                          global_batch=global_batch, seq_len=seq_len)
+    _count_pruned(result, space)
+    _predict_all(space, info, hw, predict, usable, seq_len, options, result)
+    if not result.ranked and hw.device_type != "cpu" and "cpu_offload" not in options.exclude:
+        offload = enumerate_space(info, world_size, global_batch, options, ranks_per_node=ranks_per_node, offload=True)
+        _predict_all(offload, info, hw, predict, usable, seq_len, options, result)
+        if result.ranked:
+            result.notes.append("nothing fits in device memory without CPU offload: ranked the fsdp cpu_offload "
+                                "candidates")
+    if not result.ranked:
+        raise StrategyError(_no_fit_message(result, info, world_size, hw, usable, options))
+    result.ranked.sort(key=lambda e: (-e.prediction.tokens_per_s, e.candidate.key()))
+    result.chosen = result.ranked[0].candidate
+    top = [e for e in result.ranked[: options.top_k]]
+    if runner is not None and top:
+        _confirm(result, top, runner, options, t0)
+    elif options.top_k and runner is None:
+        result.notes.append("no runner: the best predicted plan is chosen without confirming runs")
+    result.elapsed_s = time.perf_counter() - t0
+    result.notes.insert(0, f"search: {len(result.ranked)} of {len(result.evaluated)} predicted candidates fit "
+                           f"({result.pruned_count} pruned first) on {world_size} ranks; chose "
+                           f"{result.chosen.label()} by {result.chosen_by} in {result.elapsed_s:.1f} s")
+    _log_table(result)
+    return result
+
+
+def _analyse(model, seq_len: int | None) -> ModelInfo:
+    if model is None:
+        raise StrategyError("search needs a model (or a factory) or a ModelInfo (info=...).")
+    if seq_len is None:
+        raise StrategyError("search needs seq_len (tokens per sample) to analyse the model.")
+    from .analysis import analyze_model
+
+    return analyze_model(model, seq_len=seq_len)
+
+
+def _count_pruned(result: SearchResult, space: Space) -> None:
+    for p in space.pruned:
+        _reject(result, p.reason)
+
+
+def _reason_kind(why: str) -> str:
+    """A pruning reason without its numbers (``tp=N groups would cross nodes of N ranks``), for counting."""
+    return re.sub(r"\d+(\.\d+)?", "N", why.split(". ")[0])[:100]
+
+
+def _predict_all(space: Space, info, hw, predict, usable: float, seq_len: int, options, result) -> None:
+    """Per base: ``check``, then the checkpointing levels from least recompute until one fits."""
+    levels = ac_levels(info, options)
+    hopeless: set[str] = set()  # groups where a smaller micro-batch already fit at no checkpointing level
+    for base in space.bases:
+        group = _group_key(base)
+        if group in hopeless:  # a larger micro-batch needs more memory: it cannot fit either
+            continue
+        base = base if base.seq_len == seq_len else Candidate(base.dims, base.methods, base.micro_batch,
+                                                              base.grad_accum, seq_len)
+        why = check(base, info)
+        if why:
+            _reject(result, why)
+            continue
+        for level in levels:
+            cand = with_extra(base, None if level is None else ("checkpoint", level))
+            if level is not None:
+                why = check(cand, info)
+                if why:
+                    _reject(result, why)
+                    break
+            try:
+                pred = predict(cand, info, hw)
+            except StrategyError as e:  # an estimate hook found what validate did not (e.g. too few units)
+                _reject(result, str(e))
+                break
+            fits = pred.peak_memory_bytes <= usable
+            ev = Evaluated(cand, pred, fits)
+            result.evaluated.append(ev)
+            if fits:
+                result.ranked.append(ev)
+                break
+        else:
+            hopeless.add(group)
+
+
+def _group_key(c: Candidate) -> str:
+    """Candidates that differ only in the batch split (micro-batch, accumulation / pipeline micro-batches)."""
+    methods = [[n, {k: v for k, v in cfg.items() if k != "num_microbatches"}] for n, cfg in c.methods]
+    return repr((sorted(c.dims.as_dict().items()), methods))
+
+
+def _reject(result: SearchResult, why: str) -> None:
+    reason = _reason_kind(why)
+    result.pruned_reasons[reason] = result.pruned_reasons.get(reason, 0) + 1
+    result.pruned_count += 1
+
+
+def _confirm(result: SearchResult, top: list[Evaluated], runner: Runner, options: SearchOptions, t0: float) -> None:
+    remaining = options.time_limit_s - (time.perf_counter() - t0)
+    cands = [e.candidate for e in top]
+    log.info("search: confirming the %d best predicted plans with real runs (%.0f s left of %g s)", len(cands),
+             max(remaining, 0.0), options.time_limit_s)
+    results = runner(cands, total_time_s=max(remaining, 0.0), time_budget_s=max(remaining, 0.0) / len(cands),
+                     steps=options.trial_steps)
+    by_key = {e.candidate.key(): e.prediction for e in top}
+    for r in results:
+        result.trials.append(Trial(r.candidate, by_key.get(r.candidate.key()), r.step_time_s,
+                                   r.peak_memory_bytes, None if _ok(r) else (r.error or r.status), r.wall_s,
+                                   getattr(r, "status", "ok" if _ok(r) else "error")))
+    done = [t for t in result.trials if t.ok]
+    if done:
+        rank = {e.candidate.key(): i for i, e in enumerate(result.ranked)}
+        best = min(done, key=lambda t: (t.step_time_s, rank.get(t.candidate.key(), 0)))
+        result.chosen, result.chosen_by = best.candidate, "measured"
+        return
+    msg = (f"search: none of the {len(cands)} confirming runs finished ("
+           + "; ".join(f"{t.candidate.label()}: {t.error}" for t in result.trials)[:400]
+           + f"); using the best predicted plan {result.chosen.label()} without a measurement")
+    warnings.warn(msg, stacklevel=3)
+    result.notes.append(msg)
+
+
+def _ok(r: Any) -> bool:
+    ok = getattr(r, "ok", None)
+    if ok is not None:
+        return bool(ok)
+    return r.error is None and r.step_time_s is not None
+
+
+def _log_table(result: SearchResult) -> None:
+    from ..utils import rank
+
+    if rank() == 0:
+        log.info("%s\n%s", result.notes[0], result.table())
+
+
+def _no_fit_message(result: SearchResult, info: ModelInfo, world: int, hw: Hardware, usable: float,
+                    options: SearchOptions) -> str:
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    per_param = 4 if info.param_dtype == "float32" else 2
+    state = info.n_params * per_param + info.n_trainable * (per_param + 8)  # params + grads + Adam (fp32)
+    devices = max(1, math.ceil(state / usable))
+    head = (f"the model fits no candidate on {world} ranks of {hw.name}: {gib(usable)} usable per rank "
+            f"({gib(hw.memory_bytes)} x (1 - headroom {options.headroom:g}))")
+    if result.evaluated:
+        smallest = min(result.evaluated, key=lambda e: e.prediction.peak_memory_bytes)
+        p = smallest.prediction
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in p.memory.items() if v)
+        head += (f"; the smallest, {smallest.candidate.label()}, needs {gib(p.peak_memory_bytes)} "
+                 f"({gib(p.peak_memory_bytes - usable)} over: {parts})")
+        mb = smallest.candidate.micro_batch
+    else:
+        need = min(state_lower_bound(info, d, "zero3" if d.dp > 1 else None) for d in factorisations(world))
+        head += f"; even the parameters and gradients alone need {gib(need)} per rank on the best mesh"
+        mb = None
+    fixes = [f"more devices (parameters, gradients and Adam state alone need ~{gib(state)}: at least {devices} "
+             f"devices of this memory)"]
+    if hw.device_type != "cpu":
+        fixes.append("CPU offload (fsdp cpu_offload; " + ("it is excluded: drop 'cpu_offload' from "
+                     "search['exclude'])" if "cpu_offload" in options.exclude else "tried: not enough alone)"))
+    if mb is None or mb > 1:
+        fixes.append("a smaller micro-batch (search={'fixed': {'micro_batch': 1}} or a smaller global batch)")
+    if "checkpoint" in options.exclude:
+        fixes.append("activation checkpointing (drop 'checkpoint' from search['exclude'])")
+    return head + ". What would make it fit: " + "; ".join(fixes) + "."

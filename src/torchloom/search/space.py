@@ -1,0 +1,295 @@
+"""The search space: every candidate plan for a model on ``world_size`` ranks, pruned cheaply first.
+
+Axes (docs/search.md, "The space"): mesh factorisations ``pp x dp_replicate x dp_shard x tp`` (degree 1
+included), the data-parallel method (DDP, ZeRO-1, ZeRO-2, ZeRO-3, HSDP; DDP under tensor parallelism is FSDP
+over a replicate-only mesh, ``strategy/data_parallel.py``), precision (fp32, bf16 amp), sequence parallel
+under TP, the pipeline schedule and its micro-batch count, the micro-batch size and accumulation for the
+global batch, optional registered methods with ``search_configs``, then activation checkpointing (chosen per
+candidate after the memory prediction: :func:`ac_levels`) and FSDP CPU offload (only when nothing fits).
+
+Cheap pruning before any prediction: degrees the user pinned or excluded, a global batch the data-parallel
+degree does not divide, tensor-parallel groups that would cross nodes, and a lower bound on the
+parameter + gradient bytes per rank above the device memory. Then :func:`check` runs what ``auto_accelerate``
+would reject (the strategy's conflicts, its mesh checks, each method's ``validate`` hook).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ..errors import StrategyError
+from ..parallel.dims import divisors, factorisations, spans_nodes
+from ..parallel.mesh import ParallelDims
+from .candidate import Candidate
+from .model_info import ModelInfo
+from .options import BUILTIN_CHOICES, SearchOptions
+
+#: registry methods the space enumerates by its own rules
+_OWN_METHODS = ("parallel_mode", "ddp", "zero1", "fsdp", "amp", "checkpoint", "pipeline_parallel",
+                "tensor_parallel", "sequence_parallel")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@dataclass
+class Pruned:
+    """A candidate (or a whole group of them, ``label`` ending in ``*``) left out, and why."""
+
+    label: str
+    reason: str
+
+
+@dataclass
+class Space:
+    """The enumerated bases (no checkpointing yet) and what was pruned before any prediction."""
+
+    bases: list[Candidate]
+    pruned: list[Pruned] = field(default_factory=list)
+    meshes: int = 0
+
+
+def dp_spec(choice: str | None, dims: ParallelDims, offload: bool = False) -> tuple[str, dict[str, Any]] | None:
+    """The method item of a data-parallel choice on ``dims`` (None: no data-parallel method)."""
+    if choice is None:
+        return ("fsdp", {"cpu_offload": True}) if offload else None
+    if choice == "ddp":
+        spec = ("fsdp", {"reshard_after_forward": False}) if dims.tp > 1 else ("ddp", {})
+    elif choice == "zero1":
+        spec = ("zero1", {})
+    elif choice == "zero2":
+        spec = ("fsdp", {"reshard_after_forward": False})
+    else:  # zero3, hsdp
+        spec = ("fsdp", {})
+    if offload and spec[0] == "fsdp":
+        spec = ("fsdp", {**spec[1], "cpu_offload": True})
+    return spec
+
+
+def dp_choices_for(dims: ParallelDims, allowed: Iterable[str]) -> list[str | None]:
+    """Which data-parallel choices fit the degrees: DDP/ZeRO-1 on a replicate-only mesh, ZeRO-2/3 on a
+    shard-only one, HSDP when both are > 1 (so no plan is enumerated twice under two spellings)."""
+    if dims.dp == 1:
+        return [None]
+    if dims.dp_shard == 1:
+        shape = ("ddp",) if dims.tp > 1 else ("ddp", "zero1")  # zero1 needs DDP, which cannot hold TP DTensors
+    elif dims.dp_replicate == 1:
+        shape = ("zero2", "zero3")
+    else:
+        shape = ("hsdp",)
+    return [c for c in shape if c in allowed]
+
+
+def ac_levels(info: ModelInfo, options: SearchOptions) -> list[dict[str, Any] | None]:
+    """Activation checkpointing levels from least to most recomputation: none, then every k-th block for k
+    in the divisors of the block count, largest k first (``{}`` = every block). The search keeps, per
+    candidate, the first level whose predicted memory fits (EPL's automatic GC)."""
+    if not info.num_blocks or "checkpoint" in options.exclude:
+        return [None]
+    levels: list[dict[str, Any] | None] = [{"every_k": k} if k > 1 else {}
+                                           for k in sorted(divisors(info.num_blocks), reverse=True)]
+    return levels if "checkpoint" in options.include else [None, *levels]
+
+
+def with_extra(cand: Candidate, item: tuple[str, dict[str, Any]] | None) -> Candidate:
+    """``cand`` with one more method item (None: unchanged)."""
+    if item is None:
+        return cand
+    return Candidate(cand.dims, (*cand.methods, item), cand.micro_batch, cand.grad_accum, cand.seq_len)
+
+
+def state_lower_bound(info: ModelInfo, dims: ParallelDims, choice: str | None) -> float:
+    """Bytes per rank that parameters and gradients need at least (no optimizer state, activations or
+    buffers; perfect TP/PP division): a bound that can only under-estimate, used to prune before predicting."""
+    pbytes = info.n_params * _DTYPE_BYTES.get(info.param_dtype, 4)
+    gbytes = info.n_trainable * _DTYPE_BYTES.get(info.param_dtype, 4)
+    model_split = dims.tp * dims.pp
+    if choice in ("zero3",):
+        return (pbytes + gbytes) / (model_split * dims.dp)
+    if choice == "hsdp":
+        return (pbytes + gbytes) / (model_split * dims.dp_shard)
+    if choice == "zero2":
+        return (pbytes + gbytes / dims.dp) / model_split
+    return (pbytes + gbytes) / model_split
+
+
+def user_method_options(options: SearchOptions) -> list[list[tuple[str, dict[str, Any]] | None]]:
+    """Per registered method outside the built-in axes: the items to try (None = absent). A method with
+    ``search_configs`` is tried without it and with each config (only with them when included); an included
+    method without them is added with its default config."""
+    from ..strategy.registry import _REGISTRY, _ensure_builtins
+
+    _ensure_builtins()
+    out = []
+    for name in sorted(_REGISTRY):
+        if name in _OWN_METHODS or name in options.exclude:
+            continue
+        cls = _REGISTRY[name]
+        configs = [(name, dict(c)) for c in (cls.search_configs or ())]
+        if name in options.include:
+            out.append(configs or [(name, {})])
+        elif configs:
+            out.append([None, *configs])
+    return out
+
+
+def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options: SearchOptions, *,
+                    memory_bytes: float | None = None, ranks_per_node: int | None = None,
+                    offload: bool = False) -> Space:
+    """Every base candidate (without activation checkpointing) for ``world_size`` ranks and ``global_batch``
+    samples per optimizer step at ``info.seq_len`` tokens, in a deterministic order.
+
+    Args:
+        memory_bytes: device memory per rank: candidates whose parameter + gradient bytes alone exceed
+            ``(1 - headroom)`` of it are pruned before prediction. None: no such pruning.
+        ranks_per_node: prune tensor-parallel groups that cross nodes (TP's collectives sit on the critical
+            path of every block; torchtitan and Megatron keep TP inside a node). None: one node.
+        offload: enumerate FSDP CPU-offload variants instead of the plain ones (the search does when no plain
+            candidate fits).
+
+    Raises:
+        StrategyError: a non-positive ``global_batch``.
+    """
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise StrategyError(f"search: the global batch must be a positive number of samples, got {global_batch!r}.")
+    f = options.fixed
+    allowed_dp = options.dp_choices()
+    usable = None if memory_bytes is None else memory_bytes * (1 - options.headroom)
+    precisions = [None] if "amp" in options.exclude else ([("amp", {"dtype": "bfloat16"})] if "amp" in options.include
+                                                           else [None, ("amp", {"dtype": "bfloat16"})])
+    extras = user_method_options(options)
+    space = Space(bases=[])
+    for dims in factorisations(world_size):
+        why = _mesh_pruned(dims, f, options, info, global_batch, ranks_per_node)
+        if why:
+            space.pruned.append(Pruned(_mesh_label(dims) + " *", why))
+            continue
+        space.meshes += 1
+        choices = dp_choices_for(dims, allowed_dp)
+        if dims.dp > 1 and not choices:
+            space.pruned.append(Pruned(_mesh_label(dims) + " *", "no allowed data-parallel method fits this mesh "
+                                       f"shape (allowed: {', '.join(allowed_dp)})"))
+            continue
+        for choice in choices:
+            if offload and choice in ("ddp", "zero1") and not (choice == "ddp" and dims.tp > 1):
+                continue  # only FSDP offloads
+            if usable is not None and not offload:
+                need = state_lower_bound(info, dims, choice)
+                if need > usable:
+                    space.pruned.append(Pruned(f"{_mesh_label(dims)} {choice or 'none'} *",
+                                               f"parameters + gradients alone need {_gib(need)} per rank > "
+                                               f"{_gib(usable)} usable"))
+                    continue
+            dp_item = dp_spec(choice, dims, offload)
+            if offload and dp_item is None:
+                continue
+            space.bases.extend(_bases_for(dims, dp_item, precisions, extras, global_batch, info.seq_len, options))
+    return space
+
+
+def _bases_for(dims, dp_item, precisions, extras, global_batch, seq_len, options) -> list[Candidate]:
+    local = global_batch // dims.dp
+    mbs = [m for m in divisors(local) if (options.max_micro_batch is None or m <= options.max_micro_batch)
+           and m == options.fixed.get("micro_batch", m)]
+    tp_items: list[list[tuple[str, dict]]] = [[]]
+    if dims.tp > 1:
+        sp = [False] if "sequence_parallel" in options.exclude else (
+            [True] if "sequence_parallel" in options.include else [False, True])
+        tp_items = [[("tensor_parallel", {}), *([("sequence_parallel", {})] if s else [])] for s in sp]
+    schedules = options.pipeline_schedules if dims.pp > 1 else (None,)
+    out = []
+    for prec, tp, sched, extra, mb in itertools.product(precisions, tp_items, schedules,
+                                                        itertools.product(*extras), mbs):
+        accum = local // mb
+        if sched is not None and not _schedule_may_fit(sched, dims.pp, accum, dp_item):
+            continue
+        items = [i for i in (dp_item, prec) if i is not None] + list(tp)
+        if sched is not None:
+            items.append(("pipeline_parallel", {"schedule": sched, "num_microbatches": accum}))
+        items += [e for e in extra if e is not None]
+        out.append(Candidate(dims, tuple(items), mb, accum, seq_len))
+    return out
+
+
+def _schedule_may_fit(schedule: str, pp: int, n: int, dp_item) -> bool:
+    """The pipeline schedules' cheapest rules, to skip hopeless candidates before :func:`check` (which stays
+    the authority: ``pipeline_parallel``'s configure checks): 1F1B needs ``n >= pp`` micro-batches, the
+    interleaved schedules a multiple of ``n // pp``, and the zero-bubble ones a data-parallel method that keeps
+    parameters unsharded between forward and backward (no DDP, no ZeRO-3)."""
+    if schedule == "1f1b" and n < pp:
+        return False
+    if schedule in ("interleaved_1f1b", "zero_bubble") and n % max(1, n // pp):
+        return False
+    if schedule in ("zero_bubble", "zbv") and dp_item is not None:
+        name, cfg = dp_item
+        if name != "fsdp" or cfg.get("reshard_after_forward", True):
+            return False
+    return True
+
+
+def _mesh_pruned(dims, fixed, options, info, global_batch, ranks_per_node) -> str | None:
+    for k, v in fixed.items():
+        if k in ("pp", "dp_replicate", "dp_shard", "tp") and getattr(dims, k) != v:
+            return f"search fixed {k}={v}"
+        if k == "dp" and dims.dp != v:
+            return f"search fixed dp={v}"
+    if dims.tp > 1 and "tensor_parallel" in options.exclude:
+        return "tensor_parallel excluded"
+    if dims.pp > 1 and "pipeline_parallel" in options.exclude:
+        return "pipeline_parallel excluded"
+    if dims.tp == 1 and options.include & {"tensor_parallel", "sequence_parallel"}:
+        return "tensor_parallel included (tp > 1 needed)"
+    if dims.pp == 1 and "pipeline_parallel" in options.include:
+        return "pipeline_parallel included (pp > 1 needed)"
+    if dims.dp == 1 and options.include & {"ddp", "zero1", "zero2", "zero3", "hsdp", "fsdp"}:
+        return "a data-parallel method is included (dp > 1 needed)"
+    if global_batch % dims.dp:
+        return f"global batch {global_batch} is not divisible by dp={dims.dp}"
+    if info.num_blocks and dims.pp > info.num_blocks:
+        return f"pp={dims.pp} > {info.num_blocks} blocks"
+    if ranks_per_node and dims.tp > 1 and spans_nodes(dims, "tp", ranks_per_node):
+        return f"tp={dims.tp} groups would cross nodes of {ranks_per_node} ranks"
+    return None
+
+
+_CHECKED: dict[str, str | None] = {}
+
+
+def check(cand: Candidate, info: ModelInfo) -> str | None:
+    """Why ``auto_accelerate`` would reject ``cand`` (its strategy's conflicts and requirements, the mesh and
+    schedule checks its methods' ``configure`` makes, then each method's ``validate(info, dims)``), or None
+    when it passes. Memoised per model signature, degrees and methods (not the batch split)."""
+    key = json.dumps([info.signature or id(info), cand.dims.as_dict(), [[n, c] for n, c in cand.methods]],
+                     sort_keys=True, default=str)
+    if key in _CHECKED:
+        return _CHECKED[key]
+    reason = _check(cand, info)
+    if len(_CHECKED) > 200_000:
+        _CHECKED.clear()
+    _CHECKED[key] = reason
+    return reason
+
+
+def _check(cand: Candidate, info: ModelInfo) -> str | None:
+    from ..api import plan_dims
+
+    try:
+        strategy = cand.strategy()
+        dims = plan_dims(strategy, cand.dims.pp * cand.dims.dp * cand.dims.ep * cand.dims.tp)
+        for m in strategy.ordered():
+            m.validate(info, dims)
+    except StrategyError as e:
+        return str(e)
+    return None
+
+
+def _mesh_label(d: ParallelDims) -> str:
+    return f"pp{d.pp} dpr{d.dp_replicate} dps{d.dp_shard} tp{d.tp}"
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+__all__ = ["Space", "Pruned", "enumerate_space", "ac_levels", "check", "with_extra", "dp_spec", "dp_choices_for",
+           "state_lower_bound", "BUILTIN_CHOICES"]
