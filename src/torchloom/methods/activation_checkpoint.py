@@ -49,7 +49,7 @@ class ActivationCheckpoint(Method):
     search_configs = ({"every_k": 1}, {"every_k": 2})
 
     def estimate(self, info, dims, hw, step):
-        """The checkpointed blocks (``blocks[::every_k]`` of each model part, i.e. of each pipeline stage)
+        """The checkpointed blocks (``blocks[::every_k]`` of the rank's model parts: its pipeline stages)
         keep only their input instead of their activations, and run their forward again in backward; while
         one of them is backpropagated its activations exist again (one block's worth, transient)."""
         from ..search.effects import Effects, activation_bytes, blocks_per_rank, dtype_bytes
@@ -78,22 +78,38 @@ class ActivationCheckpoint(Method):
         return raw
 
     def apply(self, ctx) -> None:
+        chosen = self.chosen_blocks(ctx.model_parts)
+        for _, block in chosen:
+            checkpoint_module(block, preserve_rng_state=self.config.preserve_rng_state)
+        blocks = [b for part in ctx.model_parts for b in find_blocks(part, self.config.wrap_cls)]
+        ctx.note(f"checkpoint: {len(chosen)}/{len(blocks)} blocks recompute activations in backward")
+
+    def validate(self, info, dims) -> None:
+        """``apply``'s checks on the (meta) model: the wrap classes exist; no dropout in a checkpointed
+        block without ``preserve_rng_state`` (the whole model's ``blocks[::every_k]``; under pipelining
+        ``apply`` counts per rank, which may pick other blocks of a model whose blocks differ)."""
+        if info.module is not None:
+            self.chosen_blocks([info.module])
+
+    def chosen_blocks(self, parts) -> list:
+        """``(name, block)`` of the blocks to checkpoint: every ``every_k``-th of the parts' blocks together
+        (``apply``: the rank's model parts, i.e. its pipeline stages).
+
+        Raises:
+            StrategyError: an unknown wrap class, or a chosen block with active dropout while
+                ``preserve_rng_state=False``.
+        """
         c = self.config
-        blocks = [b for part in ctx.model_parts for b in find_blocks(part, c.wrap_cls)]
-        chosen = blocks[:: c.every_k]
+        chosen = [b for part in parts for b in find_blocks(part, c.wrap_cls)][:: c.every_k]
         stochastic = [q for q, b in chosen if has_active_dropout(b)]
         if stochastic and not c.preserve_rng_state:
-            from ..errors import StrategyError
-
             raise StrategyError(
                 f"checkpoint: preserve_rng_state=False but blocks {stochastic[:3]} contain dropout with p > 0: the "
                 "recomputation in backward would draw new dropout masks, so the gradients would belong to a "
                 "different forward than the loss (allenai/OLMo-core PR 828). Keep preserve_rng_state=True "
                 "(the default) or set the dropout probabilities to 0."
             )
-        for _, block in chosen:
-            checkpoint_module(block, preserve_rng_state=c.preserve_rng_state)
-        ctx.note(f"checkpoint: {len(chosen)}/{len(blocks)} blocks recompute activations in backward")
+        return chosen
 
 
 def has_active_dropout(module: nn.Module) -> bool:

@@ -59,6 +59,15 @@ class DDP(Method):
     def configure(self, ctx) -> None:
         ctx.data_parallel = self.name
 
+    def validate(self, info, dims) -> None:
+        """DDP cannot hold tensor-parallel DTensor parameters: with ``tp > 1`` it raises the conflict that the
+        strategy check gives for ``tensor_parallel`` with ``ddp``."""
+        if dims.tp > 1:
+            from ..errors import StrategyError
+            from ..strategy.registry import get_method
+
+            raise StrategyError(f"ddp with tp={dims.tp}: {get_method('tensor_parallel').conflicts['ddp']}")
+
     def estimate(self, info, dims, hw, step):
         """Gradients all-reduced over ``dp`` once per optimizer step (``no_sync`` while accumulating) in
         ``bucket_cap_mb`` buckets that overlap the backward, except the last; the bucket storage holds the

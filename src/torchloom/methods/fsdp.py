@@ -62,6 +62,11 @@ class FSDP(Method):
     def configure(self, ctx) -> None:
         ctx.data_parallel = self.name
 
+    def validate(self, info, dims) -> None:
+        """``apply``'s model checks: the wrap classes exist in the (meta) model."""
+        if info.module is not None:
+            find_blocks(info.module, self.config.wrap_cls)
+
     def estimate(self, info, dims, hw, step):
         """FSDP2 per rank (each block one unit, the rest the root unit):
 

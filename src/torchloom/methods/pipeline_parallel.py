@@ -141,6 +141,26 @@ class PipelineParallel(Method):
                                             label="pp.send_recv"))
         return e
 
+    def validate(self, info, dims) -> None:
+        """``configure``'s micro-batch and schedule checks, then the stage plan ``apply`` makes
+        (``plan_stages``: a supported model, enough units for ``pp x stages_per_rank`` stages, valid split
+        points; ``balance='profile'`` is checked with the parameter split). With the whole strategy known
+        (:func:`torchloom.search.validate.validate_strategy`) also the schedule against ddp/fsdp/compile.
+        Without ``info.module``: only the stage count against the blocks plus embedding and head."""
+        c = self.config
+        _check_microbatches(c, dims.pp)
+        strategy = getattr(self, "planning_strategy", None)
+        if strategy is not None:
+            _check_schedule_fits(c, strategy)
+        if info.module is not None:
+            from ..parallel.pipeline.build import plan_stages
+
+            plan_stages(info.module, c, dims.pp, profile=False)
+        elif dims.pp * c.virtual > info.num_blocks + 2:
+            raise StrategyError(
+                f"pipeline_parallel: {dims.pp * c.virtual} stages (pp={dims.pp} x stages_per_rank={c.virtual}) but "
+                f"the model has only {info.num_blocks + 2} units; lower the pipeline size or stages_per_rank.")
+
     def configure(self, ctx) -> None:
         c = self.config
         pm = ctx.strategy.config("parallel_mode")

@@ -136,6 +136,31 @@ class TensorParallel(Method):
                 e.collectives.append(Collective("all_gather", logits, "tp", calls=m, label="tp.logits_all_gather"))
         return e
 
+    def validate(self, info, dims) -> None:
+        """``apply``'s checks on the (meta) model: the plan resolves, its patterns match, every split
+        dimension and head count divides by ``tp``; with the whole strategy known
+        (:func:`torchloom.search.validate.validate_strategy`) also sequence parallel's plan variant and
+        fsdp's dim-0 compatibility. Without ``info.module``: the architecture sizes in ``info.dims``."""
+        tp = dims.tp
+        if tp <= 1:
+            return
+        strategy = getattr(self, "planning_strategy", None)
+        fsdp = strategy is not None and "fsdp" in strategy
+        sp = strategy is not None and "sequence_parallel" in strategy
+        model = info.module
+        if model is None:
+            for key in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+                size = info.dims.get(key)
+                if size and size % tp:
+                    raise StrategyError(
+                        f"tensor_parallel: {info.name} {key} = {size} is not divisible by tp={tp}, so the ranks "
+                        f"cannot hold equal whole parts. Use a tp degree that divides it or change the model.")
+            return
+        plan = auto_plan(model) if self.config.plan == "auto" else custom_plan(model, self.config.plan)
+        resolved = resolve_plan(model, plan)
+        _raise_unmatched([model], [plan], resolved.matched)
+        check_resolved([model], [plan], [resolved], tp, fsdp=fsdp, sequence_parallel=sp)
+
     def configure(self, ctx) -> None:
         mode = ctx.strategy.config("parallel_mode")
         mode_tp = getattr(mode, "tp", None)
@@ -161,12 +186,8 @@ class TensorParallel(Method):
         plans = [auto_plan(p) if self.config.plan == "auto" else custom_plan(p, self.config.plan) for p in parts]
         resolved = [resolve_plan(p, plan) for p, plan in zip(parts, plans)]
         _check_patterns_matched(ctx, parts, plans, resolved)
-        if flags.sequence_parallel:
-            _check_sequence_plan(plans)
-        for part, r in zip(parts, resolved):
-            check_divisible(part, r, tp)
-            if "fsdp" in ctx.strategy:
-                check_fsdp_compatible(part, r)
+        check_resolved(parts, plans, resolved, tp, fsdp="fsdp" in ctx.strategy,
+                       sequence_parallel=flags.sequence_parallel)
         mesh = ctx.mesh["tp"]
         probes, skipped = self._record_probes(parts, resolved, mesh)
         counts: Counter = Counter()
@@ -329,6 +350,26 @@ def _check_patterns_matched(ctx, parts, plans, resolved) -> None:
         everyone: list = [None] * ctx.mesh.dims.pp
         dist.all_gather_object(everyone, sorted(matched), group=ctx.mesh.group("pp"))
         matched = set().union(*map(set, everyone))
+    _raise_unmatched(parts, plans, matched)
+
+
+def check_resolved(parts, plans, resolved, tp: int, *, fsdp: bool, sequence_parallel: bool) -> None:
+    """The checks ``apply`` and ``validate`` share on resolved plans: sequence parallel's plan variant, every
+    split dimension divisible by ``tp``, and (with fsdp) no dim-0 strided split fsdp would shard again.
+
+    Raises:
+        StrategyError: from :func:`check_divisible`, ``check_fsdp_compatible`` or the sequence-plan check.
+    """
+    if sequence_parallel:
+        _check_sequence_plan(plans)
+    for part, r in zip(parts, resolved):
+        check_divisible(part, r, tp)
+        if fsdp:
+            check_fsdp_compatible(part, r)
+
+
+def _raise_unmatched(parts, plans, matched) -> None:
+    """Raises StrategyError naming the plan patterns outside ``matched`` and the closest module names."""
     missing = [p for plan in plans for p in plan.styles if p not in matched]
     if missing:
         names = [n for part in parts for n, _ in part.named_modules() if n]

@@ -155,7 +155,7 @@ def predict(cand: Candidate, info: ModelInfo, hw: Hardware, *, memory_limit: flo
     peak = sum(memory.values())
 
     step_time = sum(time.values())
-    world = math.prod(dims.as_dict().values())
+    world = dims.pp * dims.dp_replicate * dims.dp_shard * dims.ep * dims.tp
     tokens = cand.global_batch * cand.seq_len
     tps = tokens / step_time if step_time > 0 else 0.0
     peak_flops = hw.peak_flops.get(dtype) or hw.peak_flops.get("float32", 0.0)
@@ -330,28 +330,36 @@ _METHOD_CACHE: dict[str, Any] = {}
 def _method_instances(cand: Candidate) -> list:
     """The candidate's method objects in stage order, with what ``auto_accelerate`` adds: implied methods,
     and a data-parallel method for dp > 1 when none is given (ddp; under tensor parallelism a replicating
-    fsdp, ``torchloom.strategy.data_parallel``)."""
-    import json
+    fsdp, ``torchloom.strategy.data_parallel``). Memoised by the methods' names and configs."""
+    try:
+        key = (tuple((n, tuple(sorted(c.items()))) for n, c in cand.methods), cand.dims.dp > 1)
+        hash(key)
+    except TypeError:  # list-valued options (wrap_cls): a text key
+        import json
 
+        key = (json.dumps([[n, c] for n, c in cand.methods], sort_keys=True, default=str), cand.dims.dp > 1)
+    out = _METHOD_CACHE.get(key)
+    if out is None:
+        out = _METHOD_CACHE[key] = _build_methods(cand)
+    return out
+
+
+def _build_methods(cand: Candidate) -> list:
     from ..strategy.data_parallel import REPLICATING_FSDP
 
     items = [(n, dict(c)) for n, c in cand.methods if n != "parallel_mode"]
     names = set()
+    for n, _ in list(items):
+        cls, _ = resolve_name(n)
+        names.add(cls.name)
+        for imp in cls.implies:
+            if imp not in names and all(resolve_name(x)[0].name != imp for x, _ in items):
+                items.append((imp, {}))
+    if cand.dims.dp > 1 and not any(resolve_name(n)[0].data_parallel for n, _ in items):
+        name, config = REPLICATING_FSDP if "tensor_parallel" in names else ("ddp", {})
+        items.append((name, dict(config)))
     out = []
     for n, c in items:
         cls, overrides = resolve_name(n)
-        names.add(cls.name)
-        for imp in cls.implies:
-            if imp not in [x for x, _ in items]:
-                items.append((imp, {}))
-    if cand.dims.dp > 1 and not any(resolve_name(n)[0].data_parallel for n, _ in items):
-        items.append(REPLICATING_FSDP if "tensor_parallel" in names else ("ddp", {}))
-    for n, c in items:
-        key = json.dumps([n, c], sort_keys=True, default=str)
-        m = _METHOD_CACHE.get(key)
-        if m is None:
-            cls, overrides = resolve_name(n)
-            m = cls(cls.Config(**{cls.key_aliases.get(k, k): v for k, v in {**overrides, **c}.items()}))
-            _METHOD_CACHE[key] = m
-        out.append(m)
+        out.append(cls(cls.Config(**{cls.key_aliases.get(k, k): v for k, v in {**overrides, **c}.items()})))
     return sorted(out, key=lambda m: type(m).stage)
