@@ -1,0 +1,165 @@
+"""Timed micro-benchmarks that every rank of a process group runs at the same moment.
+
+Used by :mod:`torchloom.search.calibrate`. Ranks that share a machine also share its cores and memory
+channels, so each number here is measured with **all ranks working at once** and is the time the *slowest*
+rank took (a training step waits for its slowest rank): per-rank matmul FLOP/s by GEMM size and dtype,
+memory bandwidth, per-op dispatch overhead, and collective times by message size and group size — groups
+smaller than the world run side by side (two groups of 2 in a world of 4, as ``dp x tp`` does).
+
+Every rank runs the same number of repetitions (collectives must match): each measurement times one call on
+every rank, agrees on the slowest (all-reduce MAX), and derives the repetition count from the time budget.
+On CUDA, timing brackets the work with ``torch.cuda.synchronize``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+KiB, MiB = 1 << 10, 1 << 20
+MESSAGE_SIZES = (4 * KiB, 64 * KiB, MiB, 8 * MiB, 64 * MiB)
+MATMUL_SIZES = {"cpu": (64, 128, 256, 512, 1024), "cuda": (256, 1024, 2048, 4096, 8192)}
+STREAM_BYTES = {"cpu": 64 * MiB, "cuda": 1024 * MiB}  # per tensor: well beyond the last-level cache
+MAX_REPS = 200
+
+
+class Timer:
+    """Times a callable on every rank of ``group`` at once and agrees on the slowest rank's time."""
+
+    def __init__(self, device: torch.device, group=None):
+        self.device, self.group = device, group
+        self._flag = torch.zeros(1, dtype=torch.float64, device=device)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def slowest(self, seconds: float) -> float:
+        """The largest of every rank's ``seconds`` (also lines the ranks up for the next measurement)."""
+        self._flag.fill_(seconds)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
+        return float(self._flag.item())
+
+    def _run(self, fn: Callable[[], object], reps: int) -> float:
+        self._sync()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        self._sync()
+        return time.perf_counter() - t
+
+    def per_call(self, fn: Callable[[], object], target_s: float, warmup: bool = True) -> float:
+        """Seconds per call of ``fn`` with every rank calling it at once (the slowest rank's time).
+
+        An untimed warm-up call (first-call allocation, lazy communicator set-up) unless ``warmup`` is False,
+        one timed probe call that sizes the loop (and is the answer when it alone spends ``target_s``), then
+        ``target_s`` worth of calls split into up to three chunks; the fastest chunk wins (it is the least
+        disturbed by other processes)."""
+        if warmup:
+            fn()
+        probe = self.slowest(self._run(fn, 1))
+        if probe >= target_s:  # one call already spends the budget (large messages): the probe is the answer
+            return probe
+        reps = int(max(1, min(MAX_REPS, target_s / max(probe, 1e-9))))
+        chunks = min(3, reps)
+        per = reps // chunks
+        return min(self.slowest(self._run(fn, per)) / per for _ in range(chunks))
+
+
+# ----------------------------------------------------------------------------------------------- compute
+def matmul_rates(timer: Timer, dtype: torch.dtype, sizes, target_s: float) -> list[tuple[float, float]]:
+    """``(gemm_flops, flop_per_s)`` per rank for square ``n x n @ n x n`` GEMMs (FLOPs = 2 n^3)."""
+    out = []
+    for n in sizes:
+        a = torch.randn(n, n, device=timer.device).to(dtype)
+        b = torch.randn(n, n, device=timer.device).to(dtype)
+        c = torch.empty(n, n, device=timer.device, dtype=dtype)
+        flops = 2.0 * n ** 3
+        out.append((flops, flops / timer.per_call(lambda: torch.mm(a, b, out=c), target_s)))
+    return out
+
+
+def memory_bandwidth(timer: Timer, nbytes: int, target_s: float) -> float:
+    """Bytes/s per rank of a large elementwise add ``c = a + b`` (reads 2, writes 1 tensor of ``nbytes``)."""
+    n = nbytes // 4
+    a, b = torch.ones(n, device=timer.device), torch.ones(n, device=timer.device)
+    c = torch.empty_like(a)
+    return 3.0 * n * 4 / timer.per_call(lambda: torch.add(a, b, out=c), target_s)
+
+
+def op_overhead(timer: Timer, target_s: float, ops: int = 200) -> float:
+    """Seconds per dispatched tiny op (an in-place add on 8 elements: all dispatch, no work)."""
+    x = torch.zeros(8, device=timer.device)
+
+    def loop():
+        for _ in range(ops):
+            x.add_(1.0)
+
+    return timer.per_call(loop, target_s) / ops
+
+
+# ------------------------------------------------------------------------------------------- collectives
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def message_numel(nbytes: int, g: int) -> int:
+    """fp32 elements of a ``nbytes`` message, rounded down to a multiple of the group size ``g``."""
+    return max(g, (nbytes // 4) // g * g)
+
+
+def collective_call(kind: str, nbytes: int, group, ranks: list[int], device: torch.device) -> Callable[[], None]:
+    """A callable running one ``kind`` collective of ``nbytes`` per rank (the contract's byte convention:
+    the all-reduced tensor, the all-gather *output*, the reduce-scatter *input*, the all-to-all input, the
+    broadcast tensor, the tensor each rank sends) over ``group`` (global ``ranks``, this rank among them).
+
+    ``send_recv`` is a ring shift: every rank sends to the next and receives from the previous one at once
+    (pipeline stages exchange activations and gradients concurrently in steady state)."""
+    g = len(ranks)
+    n = message_numel(nbytes, g)
+    z = lambda k: torch.zeros(k, device=device)  # noqa: E731
+    if kind == "all_reduce":
+        x = z(n)
+        return lambda: dist.all_reduce(x, group=group)
+    if kind == "all_gather":
+        out, inp = z(n), z(n // g)
+        return lambda: _all_gather(out, inp, group=group)
+    if kind == "reduce_scatter":
+        inp, out = z(n), z(n // g)
+        return lambda: _reduce_scatter(out, inp, group=group)
+    if kind == "all_to_all":
+        inp, out = z(n), z(n)
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    if kind == "broadcast":
+        x = z(n)
+        return lambda: dist.broadcast(x, src=ranks[0], group=group)
+    if kind == "send_recv":
+        me = ranks.index(dist.get_rank())
+        nxt, prv = ranks[(me + 1) % g], ranks[(me - 1) % g]
+        x, y = z(n), z(n)
+
+        def shift():
+            reqs = [dist.isend(x, dst=nxt, group=group), dist.irecv(y, src=prv, group=group)]
+            for r in reqs:
+                r.wait()
+
+        return shift
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def collective_points(timer: Timer, kind: str, sizes, group, ranks: list[int],
+                      target_s: float) -> list[tuple[float, float]]:
+    """``(bytes, seconds)`` for each message size, ascending (every group of the partition running at once).
+
+    Only the smallest size gets a warm-up call (it sets up the connections; at larger sizes the probe call
+    suffices). Times are then made non-decreasing in size by a suffix minimum: a larger message cannot be
+    faster, and on a shared machine the noise only ever adds time."""
+    pts = []
+    for i, s in enumerate(sorted(sizes)):
+        fn = collective_call(kind, s, group, ranks, timer.device)
+        pts.append((4.0 * message_numel(s, len(ranks)), timer.per_call(fn, target_s, warmup=i == 0)))
+    for i in range(len(pts) - 2, -1, -1):
+        pts[i] = (pts[i][0], min(pts[i][1], pts[i + 1][1]))
+    return pts
