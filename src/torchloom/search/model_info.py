@@ -62,6 +62,9 @@ class PartInfo:
             checkpointing keeps instead of ``act_bytes``; halve for bf16).
         peak_extra_bytes: transient bytes above ``act_bytes`` while the instance runs forward+backward
             (workspace, recomputed activations of the instance being backpropagated), fp32.
+        autocast_weight_bytes: bytes of the low-precision weight copies bf16 autocast makes and saves for
+            backward per instance (alive from the instance's forward to its backward; not scaled by the
+            micro-batch and not part of ``act_bytes``); 0 when unknown.
     """
 
     name: str
@@ -74,6 +77,7 @@ class PartInfo:
     act_bytes: dict[str, float]
     input_bytes: float
     peak_extra_bytes: float = 0.0
+    autocast_weight_bytes: float = 0.0
 
 
 @dataclass
@@ -95,6 +99,7 @@ class ModelInfo:
         family: the tensor-parallel family detected (``"llama"``, ``"gpt2"``, ...) or None.
         module: the meta-device model (for ``validate`` hooks that reuse the methods' own checks); not saved.
         signature: a hash of parameter names, shapes and dtypes (plan cache key).
+        notes: what the analysis assumed (e.g. a stand-in loss), for the planner's output.
     """
 
     name: str
@@ -110,6 +115,7 @@ class ModelInfo:
     family: str | None = None
     module: nn.Module | None = field(default=None, repr=False, compare=False)
     signature: str = ""
+    notes: list[str] = field(default_factory=list)
 
     @property
     def blocks(self) -> list[PartInfo]:

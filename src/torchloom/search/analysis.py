@@ -1,0 +1,578 @@
+"""Model analysis for planning: parameters, repeated blocks, FLOPs, GEMM shapes and activation memory of a
+model, traced with fake tensors so that nothing the size of the model is allocated and the model is not
+changed (a meta-device model works the same as a CPU one).
+
+How: every parameter and buffer gets a fake CPU stand-in (``FakeTensorMode``; only shapes and dtypes), and
+``torch.func.functional_call`` runs the model on them. One forward of the whole model, with every
+repeated block replaced for the duration of the call by a pass-through, captures each block class's real
+call (``args``/``kwargs``: position embeddings, masks, ...) and traces the "rest" (embeddings, final norm,
+head, loss); ONE instance per block class is then traced forward + backward on those inputs and multiplied
+by the number of instances. Each trace runs twice: in fp32 and under ``torch.autocast("cpu", bfloat16)``
+(activation bytes of both precisions). See :mod:`torchloom.search.op_trace` for what is counted.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import json
+from collections import Counter, OrderedDict
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ..errors import StrategyError
+from ..parallel.blocks import detect_block_classes, find_blocks
+from .model_info import ModelInfo, PartInfo
+from .op_trace import OpRecorder, storage_key
+
+_FORMATS = (None, "unpack_sequence", "unpack_dict")
+_CACHE: "OrderedDict[tuple, ModelInfo]" = OrderedDict()
+_CACHE_SIZE = 8
+
+
+def analyze_model(model: nn.Module, *, seq_len: int, sample_input: Any = None, input_format: str | None = None,
+                  loss_func: Callable[[Any, Any], torch.Tensor] | None = None,
+                  block_classes: list[str] | None = None, name: str | None = None) -> ModelInfo:
+    """Analyse ``model`` for the planner without allocating it or changing it.
+
+    Args:
+        model: the single-device model, on any device (``meta`` included). Its parameters, buffers,
+            hooks, dtype, device and train/eval flags are the same afterwards.
+        seq_len: tokens per sample. For a Hugging Face model taking ``input_ids`` and ``labels`` (causal
+            LMs, T5) the trace input is ``input_ids`` and ``labels`` of shape ``(1, seq_len)``; for other
+            models ``sample_input`` defines the shapes and ``seq_len`` is recorded as given.
+        sample_input: one batch at micro-batch 1 (tensors on any device; only shapes and dtypes are read).
+            A batch whose tensors share a leading dimension B > 1 is cut to its first sample (noted).
+        input_format: how the batch is passed, as in ``auto_accelerate``: None -> ``model(batch)``,
+            ``"unpack_sequence"`` -> ``model(*batch)``, ``"unpack_dict"`` -> ``model(**batch)``.
+        loss_func: ``loss_func(batch, output) -> scalar``; default ``output.loss`` when the output has one,
+            else ``output.sum()`` as a stand-in (noted in ``info.notes``).
+        block_classes: class names of the repeated blocks; default: auto-detected
+            (:func:`torchloom.parallel.blocks.detect_block_classes`).
+        name: label of the result (default the class name).
+
+    Returns:
+        :class:`ModelInfo` with one :class:`PartInfo` per block class (per instance; ``count`` instances)
+        and ``"rest"``; every quantity at micro-batch 1 (activations and FLOPs scale linearly with it).
+
+    Raises:
+        ValueError: bad ``seq_len``/``input_format``, no ``sample_input`` for a model that needs one, or a
+            model whose forward cannot run on fake tensors (the message names the failing op/module).
+        StrategyError: a requested block class does not occur in the model.
+    """
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}.")
+    if input_format not in _FORMATS:
+        raise ValueError(f"input_format={input_format!r} is not valid; use None, 'unpack_sequence' or 'unpack_dict'.")
+    sig = signature(model, seq_len, sample_input)
+    key = (sig, tuple(block_classes) if block_classes is not None else None, input_format, name)
+    cacheable = loss_func is None and sample_input is None
+    if cacheable and key in _CACHE and _CACHE[key].module is model:
+        _CACHE.move_to_end(key)
+        return _copy_info(_CACHE[key])
+    info = _Analysis(model, seq_len, sample_input, input_format, loss_func, block_classes).run()
+    info.name = name or type(model).__name__
+    info.signature = sig
+    if cacheable:
+        _CACHE[key] = info
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+        return _copy_info(info)
+    return info
+
+
+def analyze_config(hf_config: Any, *, seq_len: int | None = None, name: str | None = None) -> ModelInfo:
+    """Build a Hugging Face model from its config on the meta device (no memory) and analyse it.
+
+    Args:
+        hf_config: a ``transformers.PretrainedConfig``, a ``config.json`` dict (with ``model_type``) or a
+            path to such a JSON file.
+        seq_len: tokens per sample; default ``config.max_position_embeddings`` (a warning says so).
+        name: label (default ``config.model_type``).
+
+    The model is built with fp32 parameters (the planner's master weights, whatever ``torch_dtype`` the
+    config names) via ``AutoModelForCausalLM.from_config``, else the seq2seq or base auto class.
+
+    Raises:
+        ValueError: the config has no ``model_type`` transformers knows, or no ``seq_len`` can be found.
+    """
+    import warnings
+
+    cfg = _load_config(hf_config)
+    if seq_len is None:
+        seq_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        if not seq_len:
+            raise ValueError(f"pass seq_len: the {cfg.model_type} config has no max_position_embeddings.")
+        warnings.warn(f"analyze_config: no seq_len given; using the config's max_position_embeddings={seq_len}.",
+                      stacklevel=2)
+    model = build_meta_model(cfg)
+    info = analyze_model(model, seq_len=int(seq_len), name=name or cfg.model_type)
+    return info
+
+
+def build_meta_model(cfg) -> nn.Module:
+    """A transformers model for ``cfg`` on the meta device (fp32 parameters, no storage).
+
+    Raises:
+        ValueError: no auto class of transformers supports ``cfg.model_type``.
+    """
+    import transformers as tf
+
+    errors = []
+    for auto in (tf.AutoModelForCausalLM, tf.AutoModelForSeq2SeqLM, tf.AutoModel):
+        try:
+            with torch.device("meta"):
+                return auto.from_config(cfg, dtype=torch.float32)
+        except ValueError as e:  # "Unrecognized configuration class ..."
+            errors.append(str(e).splitlines()[0])
+    raise ValueError(f"transformers cannot build a model for model_type '{cfg.model_type}': {errors[-1]}")
+
+
+def signature(model: nn.Module, seq_len: int, sample_input: Any = None) -> str:
+    """Stable hash (16 hex digits) of the class name, every parameter's and buffer's name, shape and dtype,
+    ``seq_len`` and the sample input's tensor shapes/dtypes: the plan-cache key."""
+    h = hashlib.sha256()
+    h.update(type(model).__qualname__.encode())
+    for n, p in model.named_parameters(remove_duplicate=False):
+        h.update(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
+    for n, b in model.named_buffers(remove_duplicate=False):
+        h.update(f"{n}:{tuple(b.shape)}:{b.dtype};".encode())
+    h.update(f"seq={seq_len}".encode())
+    if sample_input is not None:
+        leaves, spec = tree_flatten(sample_input)
+        h.update(str(spec).encode())
+        h.update(str([(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
+                      for t in leaves]).encode())
+    return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------------------
+@dataclass
+class _Group:
+    """Instances of one block class with identical parameter shapes."""
+
+    name: str
+    modules: list[nn.Module]
+    prefixes: list[str]
+    call: tuple | None = None  # captured (args, kwargs) of the first instance
+    template: Any = None  # (leaves, spec) of the first instance's output
+    traced: dict[str, Any] = field(default_factory=dict)
+
+
+class _Analysis:
+    def __init__(self, model, seq_len, sample_input, input_format, loss_func, block_classes):
+        self.model, self.seq_len = model, seq_len
+        self.sample_input, self.input_format, self.loss_func = sample_input, input_format, loss_func
+        self.block_classes = block_classes
+        self.notes: list[str] = []
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    # -- parameters ---------------------------------------------------------------------------------------
+    def run(self) -> ModelInfo:
+        model = self.model
+        classes = list(self.block_classes) if self.block_classes is not None else detect_block_classes(model)
+        groups = self._groups(find_blocks(model, classes) if classes else [])
+        params = dict(model.named_parameters())  # tied: first name only
+        block_ids = {id(p) for g in groups for m in g.modules for p in m.parameters()}
+        rest_params = [p for p in params.values() if id(p) not in block_ids]
+        with self._train_mode(), self.mode:
+            self.fake = self._fake_state()
+            self._capture(groups)
+            parts = [self._trace_block(g) for g in groups]
+            parts.append(self._trace_rest(groups, rest_params))
+        cfg = _hf_config(model)
+        uniq = list(params.values())
+        dtypes = Counter()
+        for p in uniq:
+            dtypes[str(p.dtype).replace("torch.", "")] += p.numel()
+        from ..parallel.blocks import shared_parameter_owners  # noqa: F401  (same notion of ties)
+
+        return ModelInfo(
+            name=type(model).__name__, seq_len=self.seq_len, parts=parts,
+            block_classes=sorted({type(g.modules[0]).__name__ for g in groups}, key=[type(g.modules[0]).__name__ for g in groups].index),
+            num_blocks=sum(len(g.modules) for g in groups),
+            n_params=sum(p.numel() for p in uniq), n_trainable=sum(p.numel() for p in uniq if p.requires_grad),
+            param_dtype=dtypes.most_common(1)[0][0] if dtypes else "float32",
+            tied=_tied_names(model), dims=_dims(cfg), family=_family(model, cfg), module=model,
+            notes=self.notes,
+        )
+
+    def _groups(self, blocks: list[tuple[str, nn.Module]]) -> list[_Group]:
+        groups: dict[tuple, _Group] = {}
+        seen: set[int] = set()
+        for qual, mod in blocks:
+            if id(mod) in seen:  # the same module listed twice (shared layer): traced once per call below
+                continue
+            seen.add(id(mod))
+            shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in mod.named_parameters())
+            key = (type(mod).__name__, shapes)
+            if key not in groups:
+                same_class = sum(1 for k in groups if k[0] == key[0])
+                label = key[0] if same_class == 0 else f"{key[0]}[{same_class + 1}]"
+                groups[key] = _Group(label, [], [])
+            groups[key].modules.append(mod)
+            groups[key].prefixes.append(qual)
+        return list(groups.values())
+
+    @contextmanager
+    def _train_mode(self):
+        """Trace as training runs (dropout, no KV cache); every module's flag is restored after."""
+        flags = [(m, m.training) for m in self.model.modules()]
+        self.model.train()
+        try:
+            yield
+        finally:
+            for m, f in flags:
+                m.training = f
+
+    def _fake_state(self) -> dict[str, torch.Tensor]:
+        """Fake CPU tensor per parameter/buffer name (tied names share one)."""
+        out, by_id = {}, {}
+        for n, t in [*self.model.named_parameters(remove_duplicate=False),
+                     *self.model.named_buffers(remove_duplicate=False)]:
+            if id(t) not in by_id:
+                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                by_id[id(t)] = f.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else f
+            out[n] = by_id[id(t)]
+        return out
+
+    # -- inputs -------------------------------------------------------------------------------------------
+    def _batch(self):
+        """The fake batch and how to call the model with it: (batch, args, kwargs)."""
+        if self.sample_input is None:
+            fwd = inspect.signature(self.model.forward).parameters
+            if _hf_config(self.model) is None or "input_ids" not in fwd or "labels" not in fwd:
+                raise ValueError(
+                    f"{type(self.model).__name__} is not a Hugging Face model taking input_ids and labels: pass "
+                    "sample_input (one batch at micro-batch 1), input_format (None, 'unpack_sequence' or "
+                    "'unpack_dict', as the model is called) and loss_func(batch, output) to analyse it.")
+            # called as a training loop calls it (use_cache left at its default: with use_cache=False
+            # transformers sees fake tensors as tracing and builds an explicit causal mask, which the real run
+            # does not; the blocks are traced without the cache object)
+            ids = torch.zeros(1, self.seq_len, dtype=torch.long)
+            batch = {"input_ids": ids, "labels": ids}
+            return batch, (), batch
+        batch = self._fake_batch(self.sample_input)
+        if self.input_format is None:
+            return batch, (batch,), {}
+        if self.input_format == "unpack_sequence":
+            if not isinstance(batch, (list, tuple)):
+                raise ValueError(f"input_format='unpack_sequence' needs a list/tuple sample_input, got "
+                                 f"{type(batch).__name__}.")
+            return batch, tuple(batch), {}
+        if not isinstance(batch, dict):
+            raise ValueError(f"input_format='unpack_dict' needs a mapping sample_input, got {type(batch).__name__}.")
+        return batch, (), dict(batch)
+
+    def _fake_batch(self, batch):
+        leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+        sizes = {t.shape[0] for t in leaves}
+        cut = len(sizes) == 1 and next(iter(sizes)) > 1
+        if cut:
+            self.notes.append(f"sample_input has batch size {next(iter(sizes))}: analysed its first sample "
+                              "(every quantity is per sample).")
+
+        def fake(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            shape = (1, *t.shape[1:]) if cut and t.dim() > 0 else t.shape
+            f = torch.empty(shape, dtype=t.dtype, device="cpu")
+            return f.requires_grad_(t.requires_grad) if t.requires_grad else f
+
+        return tree_map(fake, batch)
+
+    def _loss(self, batch, output):
+        if self.loss_func is not None:
+            return self.loss_func(batch, output)
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, dict):
+            loss = output.get("loss")
+        if isinstance(loss, torch.Tensor):
+            return loss
+        first = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()),
+                     None)
+        if first is None:
+            raise ValueError(f"{type(self.model).__name__}'s output has no loss and no floating tensor; pass "
+                             "loss_func(batch, output).")
+        note = "no loss_func and no output.loss: the loss is output.sum() (a stand-in; pass loss_func for the real one)."
+        if note not in self.notes:
+            self.notes.append(note)
+        return first.float().sum()
+
+    def _run_model(self, stubs: dict[int, Callable]):
+        """One forward of the whole model on the fake state, blocks replaced by ``stubs`` for the call."""
+        from torch.func import functional_call
+
+        batch, args, kwargs = self._batch()
+        saved = {}
+        for mid, (mod, fn) in stubs.items():
+            saved[mid] = mod.__dict__.get("forward", _MISSING)
+            mod.forward = fn
+        try:
+            out = functional_call(self.model, self.fake, args, kwargs, tie_weights=True, strict=False)
+            return batch, out
+        except Exception as e:  # noqa: BLE001  (name what failed and how to proceed)
+            raise ValueError(
+                f"cannot trace {type(self.model).__name__} on fake tensors: {type(e).__name__}: {e}. The analysis "
+                "needs a forward whose shapes do not depend on tensor values; check sample_input/input_format, "
+                "or pass block_classes to trace the blocks separately.") from e
+        finally:
+            for mid, (mod, _) in stubs.items():
+                if saved[mid] is _MISSING:
+                    del mod.forward
+                else:
+                    mod.forward = saved[mid]
+
+    # -- capture --------------------------------------------------------------------------------------------
+    def _capture(self, groups: list[_Group]) -> None:
+        """Record each group's first call (inputs, output structure); later instances pass through."""
+        stubs = {}
+        for g in groups:
+            for i, mod in enumerate(g.modules):
+                stubs[id(mod)] = (mod, self._capturing(g, mod) if i == 0 else self._passthrough(g))
+        if groups:
+            self._run_model(stubs)
+        for g in groups:
+            if g.call is None:
+                raise ValueError(f"block {g.prefixes[0]} ({g.name}) was not called by the model's forward; pass "
+                                 "block_classes naming the blocks the forward runs.")
+
+    def _capturing(self, g: _Group, mod: nn.Module):
+        original = mod.forward  # bound before the stub replaces it
+
+        def forward(*args, **kwargs):
+            if g.call is None:
+                # a KV cache is recorded empty (as every block finds its own slot) and copied per trace
+                g.call = ([_empty_cache(v) for v in args], {k: _empty_cache(v) for k, v in kwargs.items()})
+                out = original(*args, **kwargs)
+                g.template = tree_flatten(out)
+                return out
+            return self._passthrough(g)(*args, **kwargs)
+
+        return forward
+
+    def _passthrough(self, g: _Group):
+        def forward(*args, **kwargs):
+            if g.template is None:
+                raise ValueError(f"{g.name} instance called before its first instance {g.prefixes[0]}.")
+            leaves, spec = g.template
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            out = []
+            for leaf in leaves:
+                if not isinstance(leaf, torch.Tensor):
+                    out.append(leaf)
+                    continue
+                match = next((t for t in inputs if t.shape == leaf.shape and t.dtype == leaf.dtype), None)
+                out.append(match if match is not None else torch.zeros(leaf.shape, dtype=leaf.dtype))
+            return tree_unflatten(out, spec)
+
+        return forward
+
+    # -- traces ---------------------------------------------------------------------------------------------
+    def _trace_block(self, g: _Group) -> PartInfo:
+        from torch.func import functional_call
+
+        mod, prefix = g.modules[0], g.prefixes[0] + "."
+        state = {n[len(prefix):]: t for n, t in self.fake.items() if n.startswith(prefix)}
+        state_list = list({id(t): t for t in self.fake.values()}.values())
+        res = {}
+        for precision in ("float32", "bfloat16"):
+            args = tuple(copy.deepcopy(v) if _is_kv_cache(v) else tree_map(_fresh_leaf, v) for v in g.call[0])
+            kwargs = {k: (copy.deepcopy(v) if _is_kv_cache(v) else tree_map(_fresh_leaf, v))
+                      for k, v in g.call[1].items()}
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            grad_in = {storage_key(t): t.untyped_storage().nbytes() for t in inputs if t.requires_grad}
+            other_in = {storage_key(t) for t in inputs if not t.requires_grad}
+            rec = OpRecorder(state_list)
+            with rec, rec.saving(), _autocast(precision):
+                out = functional_call(mod, state, args, kwargs, tie_weights=True, strict=False)
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            out_bytes = sum(t.untyped_storage().nbytes() for t in outs if storage_key(t) not in rec.saved)
+            self._backward(rec, outs)
+            del out, outs
+            shared = sum(b for k, b in rec.saved.items() if k in other_in)  # e.g. rotary cos/sin of every block
+            act = sum(b for k, b in rec.saved.items() if k not in other_in)
+            created_saved = sum(b for k, b in rec.saved.items() if k not in other_in and k not in grad_in)
+            grads = {storage_key(t.grad) for t in state.values() if isinstance(t, torch.Tensor) and t.grad is not None}
+            peak = rec.peak_allocated(grads) - created_saved - out_bytes
+            res[precision] = dict(rec=rec, act=act, shared=shared, peak=max(0.0, peak),
+                                  input=float(sum(grad_in.values())), weights=sum(rec.derived_saved.values()))
+            _clear_grads(state.values())
+        g.traced = res
+        fp = res["float32"]
+        rec = fp["rec"]
+        params = list({id(p): p for p in mod.parameters()}.values())
+        return PartInfo(
+            name=g.name, count=len(g.modules), params=sum(p.numel() for p in params),
+            trainable=sum(p.numel() for p in params if p.requires_grad),
+            param_bytes=sum(p.numel() * p.element_size() for p in params),
+            fwd=rec.cost("fwd"), bwd=rec.cost("bwd"),
+            act_bytes={k: float(v["act"]) for k, v in res.items()}, input_bytes=fp["input"],
+            peak_extra_bytes=fp["peak"], autocast_weight_bytes=float(res["bfloat16"]["weights"]),
+        )
+
+    def _trace_rest(self, groups: list[_Group], rest_params: list[nn.Parameter]) -> PartInfo:
+        stubs = {id(m): (m, self._passthrough(g)) for g in groups for m in g.modules}
+        state_list = list({id(t): t for t in self.fake.values()}.values())
+        res = {}
+        for precision in ("float32", "bfloat16"):
+            rec = OpRecorder(state_list)
+            with rec, rec.saving(), _autocast(precision):
+                batch, out = self._run_model(stubs)
+                loss = self._loss(batch, out)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(f"the loss must be a scalar tensor, got {type(loss).__name__}"
+                                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}.")
+            del out
+            self._backward(rec, [loss] if loss.requires_grad else [])
+            del loss, batch
+            grads = {storage_key(t.grad) for t in state_list if t.grad is not None}
+            # block inputs every instance saves but the rest computes once (rotary cos/sin, masks)
+            shared = max((g.traced[precision]["shared"] for g in groups), default=0)
+            act = sum(rec.saved.values()) + shared
+            peak = rec.peak_allocated(grads) - sum(rec.saved.values())
+            res[precision] = dict(rec=rec, act=act, peak=max(0.0, peak), weights=sum(rec.derived_saved.values()))
+            _clear_grads(state_list)
+        rec = res["float32"]["rec"]
+        if rec.unshaped_flops() or any(g.traced["float32"]["rec"].unshaped_flops() for g in groups):
+            self.notes.append("some FLOPs come from ops without a GEMM shape rule (counted in matmul_flops only).")
+        tokens_in = self._input_bytes()
+        return PartInfo(
+            name="rest", count=1, params=sum(p.numel() for p in rest_params),
+            trainable=sum(p.numel() for p in rest_params if p.requires_grad),
+            param_bytes=sum(p.numel() * p.element_size() for p in rest_params),
+            fwd=rec.cost("fwd"), bwd=rec.cost("bwd"),
+            act_bytes={k: float(v["act"]) for k, v in res.items()}, input_bytes=tokens_in,
+            peak_extra_bytes=res["float32"]["peak"], autocast_weight_bytes=float(res["bfloat16"]["weights"]),
+        )
+
+    def _input_bytes(self) -> float:
+        batch, _, _ = self._batch()
+        return float(sum(t.numel() * t.element_size() for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)))
+
+    @staticmethod
+    def _backward(rec: OpRecorder, outs: list[torch.Tensor]) -> None:
+        if not outs:
+            return
+        grads = [torch.ones_like(t) for t in outs]
+        rec.phase = "bwd"
+        with rec:
+            torch.autograd.backward(outs, grads)
+
+
+_MISSING = object()
+
+
+def _fresh_leaf(t):
+    """A new leaf with the same shape/dtype/requires_grad (the trace starts at the block)."""
+    if isinstance(t, torch.Tensor):
+        return t.detach().clone().requires_grad_(t.requires_grad) if t.requires_grad else t.detach()
+    return t
+
+
+def _is_kv_cache(v) -> bool:
+    """A transformers KV cache object (blocks append their keys/values to it)."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(v).__mro__)
+
+
+def _empty_cache(v):
+    """A copy of a KV cache before the first block wrote to it (the real call's cache is unchanged)."""
+    return copy.deepcopy(v) if _is_kv_cache(v) else v
+
+
+def _clear_grads(tensors) -> None:
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t.grad = None
+
+
+def _autocast(precision: str):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bfloat16" else nullcontext()
+
+
+def _copy_info(info: ModelInfo) -> ModelInfo:
+    out = copy.copy(info)
+    out.parts = copy.deepcopy(info.parts)
+    out.tied = copy.deepcopy(info.tied)
+    out.dims = dict(info.dims)
+    out.notes = list(info.notes)
+    return out
+
+
+def _hf_config(model: nn.Module):
+    from ..parallel.tensor.plans import hf_config
+
+    return hf_config(model)
+
+
+def _family(model: nn.Module, cfg) -> str | None:
+    from ..parallel.tensor.plans import supported_families
+
+    mt = getattr(cfg, "model_type", None)
+    return mt if mt in supported_families() else None
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(n)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+_DIM_ATTRS = {
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "num_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "num_kv_heads": ("num_key_value_heads",),
+    "head_dim": ("head_dim", "d_kv"),
+    "intermediate_size": ("intermediate_size", "n_inner", "d_ff", "ffn_dim"),
+    "vocab_size": ("vocab_size",),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+    "experts_per_token": ("num_experts_per_tok", "moe_topk"),
+}
+
+
+def _dims(cfg) -> dict[str, int]:
+    """Architecture sizes from a Hugging Face config (missing ones derived the way the models do)."""
+    if cfg is None:
+        return {}
+    dims = {}
+    for key, attrs in _DIM_ATTRS.items():
+        for a in attrs:
+            v = getattr(cfg, a, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                dims[key] = v
+                break
+    if "num_heads" in dims:
+        dims.setdefault("num_kv_heads", dims["num_heads"])
+        if "hidden_size" in dims:
+            dims.setdefault("head_dim", dims["hidden_size"] // dims["num_heads"])
+    if "intermediate_size" not in dims and getattr(cfg, "model_type", None) == "gpt2" and "hidden_size" in dims:
+        dims["intermediate_size"] = 4 * dims["hidden_size"]  # GPT-2's n_inner=None
+    return dims
+
+
+def _load_config(hf_config):
+    from pathlib import Path
+
+    import transformers as tf
+
+    if isinstance(hf_config, tf.PretrainedConfig):
+        return hf_config
+    if isinstance(hf_config, (str, Path)):
+        hf_config = json.loads(Path(hf_config).read_text())
+    if not isinstance(hf_config, dict) or "model_type" not in hf_config:
+        raise ValueError("hf_config must be a transformers PretrainedConfig, a config.json dict with "
+                         "'model_type', or the path to a config.json.")
+    d = dict(hf_config)
+    try:
+        return tf.AutoConfig.for_model(d.pop("model_type"), **d)
+    except ValueError as e:
+        raise ValueError(f"unknown model_type in hf_config: {e}") from e

@@ -1,0 +1,184 @@
+"""Record what one traced forward/backward costs, op by op, under fake tensors (no real memory, no compute).
+
+:class:`OpRecorder` is a ``TorchDispatchMode`` used inside a ``FakeTensorMode``: every ATen op is counted
+(``ops``), matrix products get their FLOPs (``torch.utils.flop_counter``'s formulas, the same numbers
+``FlopCounterMode`` reports, plus CPU flash attention, which that registry lacks) and their GEMM shapes,
+every other non-view op adds the bytes of its tensor inputs and outputs (the memory-bound traffic). Saved
+tensors are recorded with ``saved_tensors_hooks`` (one count per storage; parameters, buffers and copies
+computed from them alone, e.g. autocast's bf16 weight casts, are state, not activations), and a timeline
+of the storages ops allocate (freed when their fake storage dies) gives the transient peak.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from .model_info import Matmul, PassCost
+
+aten = torch.ops.aten
+
+_SDPA_FWD = {aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_efficient_attention,
+             aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_cudnn_attention}
+_SDPA_BWD = {aten._scaled_dot_product_flash_attention_for_cpu_backward,
+             aten._scaled_dot_product_efficient_attention_backward,
+             aten._scaled_dot_product_flash_attention_backward, aten._scaled_dot_product_cudnn_attention_backward}
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage behind ``t`` (views share it)."""
+    return t.untyped_storage()._cdata
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _gemms(packet, args, out) -> list[Matmul]:
+    """GEMM shapes ``C[m,n] = A[m,k] @ B[k,n]`` of one matrix-product op (m = rows = tokens for linears)."""
+    if packet is aten.mm:
+        (m, k), n = args[0].shape, args[1].shape[1]
+        return [Matmul(m, n, k)]
+    if packet is aten.addmm:
+        (m, k), n = args[1].shape, args[2].shape[1]
+        return [Matmul(m, n, k)]
+    if packet in (aten.bmm, aten.baddbmm):
+        a, b = (args[0], args[1]) if packet is aten.bmm else (args[1], args[2])
+        return [Matmul(a.shape[1], b.shape[2], a.shape[2], count=a.shape[0])]
+    if packet in _SDPA_FWD:
+        q, k, v = args[:3]
+        bh, lq, lk, e, ev = q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+        return [Matmul(lq, lk, e, bh), Matmul(lq, ev, lk, bh)]  # scores = Q K^T, out = P V
+    if packet in _SDPA_BWD:
+        q, k, v = args[1:4]
+        bh, lq, lk, e, ev = q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+        # recomputed scores, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q (as flop_counter counts them)
+        return [Matmul(lq, lk, e, bh), Matmul(lq, lk, ev, bh), Matmul(lk, ev, lq, bh), Matmul(lq, e, lk, bh),
+                Matmul(e, lk, lq, bh)]
+    if packet is aten.convolution:
+        x, w, o = args[0], args[1], out
+        groups = int(args[8]) if len(args) > 8 else 1
+        spatial = int(torch.Size(o.shape[2:]).numel()) if o.dim() > 2 else 1
+        ksize = int(torch.Size(w.shape[2:]).numel()) if w.dim() > 2 else 1
+        return [Matmul(o.shape[0] * spatial, w.shape[0] // groups, x.shape[1] // groups * ksize, count=groups)]
+    return []
+
+
+def _flops(packet, args, kwargs, out) -> float:
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu:
+        return float(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        return float(sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape))
+    return float(flop_registry[packet](*args, **kwargs, out_val=out))
+
+
+@dataclass
+class _Pass:
+    flops: float = 0.0
+    gemms: dict[tuple[int, int, int], int] = field(default_factory=lambda: defaultdict(int))
+    other_bytes: float = 0.0
+    ops: int = 0
+    unshaped_flops: float = 0.0
+
+    def cost(self) -> PassCost:
+        mm = [Matmul(m, n, k, c) for (m, n, k), c in sorted(self.gemms.items(), key=lambda kv: -kv[0][0] * kv[0][1] * kv[0][2] * kv[1])]
+        return PassCost(matmul_flops=self.flops, matmuls=mm, other_bytes=self.other_bytes, ops=self.ops)
+
+
+class OpRecorder(TorchDispatchMode):
+    """Counts ops, FLOPs, GEMM shapes and bytes per phase (``"fwd"``/``"bwd"``; set :attr:`phase`), tracks
+    saved tensors (use :meth:`saving` around the forward) and the storages ops allocate.
+
+    Args:
+        state: tensors that are model state (parameters and buffers): saved copies of them are not activations.
+    """
+
+    def __init__(self, state: list[torch.Tensor]):
+        super().__init__()
+        self.phase = "fwd"
+        self.passes = {"fwd": _Pass(), "bwd": _Pass()}
+        self.state = {storage_key(t) for t in state}
+        self.derived: dict[int, int] = {}  # storage -> bytes: low-precision copies made from state alone
+        self.saved: dict[int, int] = {}  # storage -> bytes: activations saved for backward
+        self.derived_saved: dict[int, int] = {}  # state-derived copies saved for backward (autocast weights)
+        self.events: list[tuple[int, int]] = []  # (storage, +bytes on allocation / -bytes when freed)
+        self._alive: set[int] = set()
+
+    # -- dispatch ----------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        acc = self.passes[self.phase]
+        acc.ops += 1
+        packet = func._overloadpacket
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if packet in flop_registry or packet in (aten._scaled_dot_product_flash_attention_for_cpu,
+                                                 aten._scaled_dot_product_flash_attention_for_cpu_backward):
+            f = _flops(packet, args, kwargs, out)
+            acc.flops += f
+            shapes = _gemms(packet, args, out if isinstance(out, torch.Tensor) else None)
+            for g in shapes:
+                acc.gemms[(g.m, g.n, g.k)] += g.count
+            acc.unshaped_flops += f - sum(g.flops for g in shapes)
+        elif not getattr(func, "is_view", False):
+            acc.other_bytes += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+        from_state = bool(ins) and not getattr(func, "is_view", False) and all(
+            storage_key(t) in self.state or storage_key(t) in self.derived for t in ins)
+        in_keys = {storage_key(t) for t in ins}
+        for t in outs:
+            self._track(t, from_state, in_keys)
+        return out
+
+    def _track(self, t: torch.Tensor, from_state: bool, in_keys: set[int]) -> None:
+        key = storage_key(t)
+        if key in in_keys or key in self.state or key in self._alive or key in self.derived:
+            return  # a view / in-place result, or a storage already known
+        st = t.untyped_storage()
+        nbytes = st.nbytes()
+        if from_state:
+            self.derived[key] = nbytes
+            weakref.finalize(st, self.derived.pop, key, None)  # the address may be reused by an activation
+            return
+        self._alive.add(key)
+        self.events.append((key, nbytes))
+        weakref.finalize(st, self._freed, key, nbytes)
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._alive.discard(key)
+        self.events.append((key, -nbytes))
+
+    # -- saved tensors -----------------------------------------------------------------------------------
+    def saving(self):
+        """Context manager recording every tensor autograd saves for backward."""
+
+        def pack(t):
+            key = storage_key(t)
+            if key in self.derived:
+                self.derived_saved[key] = self.derived[key]
+            elif key not in self.state and key not in self.derived and key not in self.saved:
+                self.saved[key] = t.untyped_storage().nbytes()
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def peak_allocated(self, exclude: set[int]) -> float:
+        """Highest sum of live op-allocated storages over the trace, ignoring the storages in ``exclude``."""
+        live = peak = 0
+        for key, delta in self.events:
+            if key in exclude:
+                continue
+            live += delta
+            peak = max(peak, live)
+        return float(peak)
+
+    def cost(self, phase: str) -> PassCost:
+        return self.passes[phase].cost()
+
+    def unshaped_flops(self) -> float:
+        return sum(p.unshaped_flops for p in self.passes.values())
