@@ -240,6 +240,32 @@ def check(threshold: float, timeout: float, as_json: bool, **kw) -> None:
     _exit(0 if report.healthy else 1)
 
 
+# ------------------------------------------------------------------------------------- calibrate
+@main.command()
+@click.option("--nproc", default=None, metavar="N[,N...]",
+              help="ranks per node to calibrate for, comma-separated (default: 1,2,4 on CPU, the GPU count on CUDA)")
+@click.option("--refresh", is_flag=True, help="measure again even when a calibration is cached")
+@click.option("--budget", type=float, default=10.0, show_default=True,
+              help="measurement seconds per level (starting the ranks comes on top)")
+@click.option("--cache-dir", default=None, help="where calibrations are cached (default: $TORCHLOOM_CACHE_DIR/hardware, else ~/.cache/torchloom/hardware)")
+@click.option("--json", "as_json", is_flag=True, help="print the calibrations as JSON")
+def calibrate(nproc: str | None, refresh: bool, budget: float, cache_dir: str | None, as_json: bool) -> None:
+    """Calibrate this machine for the planner: matmul FLOP/s, memory bandwidth and collective times.
+
+    Each level starts that many local ranks that measure at the same time (co-located ranks share cores), and is
+    cached per machine fingerprint; see docs/calibration.md.
+
+    \b
+    Examples:
+      loom calibrate
+      loom calibrate --nproc 4 --refresh
+      loom calibrate --nproc 1,2 --json
+    """
+    from .search.calibrate_cli import run_command
+
+    _exit(run_command(nproc, refresh, budget, cache_dir, as_json))
+
+
 # ------------------------------------------------------------------------------------------ ckpt
 @main.group()
 def ckpt() -> None:
