@@ -229,3 +229,24 @@ def test_job_hardware_measures_in_the_live_group_then_reuses_the_cache(tmp_path)
     hw = Hardware.from_dict(a0)
     _check_measured(hw, 2)
     assert list(tmp_path.glob("*-w2.json"))
+
+
+# ------------------------------------------------------------------------------------------ loom calibrate
+def test_loom_calibrate_prints_table_and_json(tmp_path, monkeypatch, counted):
+    from click.testing import CliRunner
+
+    from torchloom import cli
+
+    codes = []
+    monkeypatch.setattr(cli, "_exit", codes.append)  # the real one leaves the process
+    out = CliRunner().invoke(cli.main, ["calibrate", "--nproc", "1,2", "--cache-dir", str(tmp_path)])
+    assert out.exit_code == 0 and codes == [0], out.output
+    assert counted == [1, 2]
+    assert "matmul GFLOP/s per rank" in out.output and "all_reduce" in out.output and "GB/s" in out.output
+    out = CliRunner().invoke(cli.main, ["calibrate", "--nproc", "2", "--cache-dir", str(tmp_path), "--json"])
+    assert counted == [1, 2], "cached level measured again without --refresh"
+    assert Hardware.from_dict(json.loads(out.output)[0]).ranks_per_node == 2
+    CliRunner().invoke(cli.main, ["calibrate", "--nproc", "2", "--cache-dir", str(tmp_path), "--refresh"])
+    assert counted == [1, 2, 2]
+    out = CliRunner().invoke(cli.main, ["calibrate", "--nproc", "two", "--cache-dir", str(tmp_path)])
+    assert codes[-1] == 2 and "'two' is not an integer" in out.output
