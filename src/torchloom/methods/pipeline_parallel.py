@@ -117,7 +117,7 @@ class PipelineParallel(Method):
             else:
                 fly = float(min(m, p - r))
             params = load.blocks * block_p + (emb if load.first else 0) + (head if load.last else 0)
-            act = fly * blocks_act * load.blocks / nb + (rest_act if load.last else 0.0)
+            act = fly * (blocks_act * load.blocks / nb + (rest_act if load.last else 0.0))
             total = params * pb * 4 + act
             if best is None or total > best[0]:
                 best = (total, params, act, fly)

@@ -62,44 +62,11 @@ def predict(cand: Candidate, info: ModelInfo, hw: Hardware, *, memory_limit: flo
         StrategyError: a method name that is not registered.
         ValueError: hardware without the calibration a term needs.
     """
-    methods = _method_instances(cand)
-    step = StepShape.of(cand, info.param_dtype)
-    dims = cand.dims
-    notes: list[str] = []
-    effects: list[Effects] = []
-    for m in methods:
-        e = m.estimate(info, dims, hw, step)
-        if e is not None:
-            e.method = e.method or type(m).name
-            effects.append(e)
-            notes.extend(f"{e.method}: {n}" for n in e.notes)
-    scale_tokens = cand.seq_len / info.seq_len if info.seq_len else 1.0
-    mb = cand.micro_batch * scale_tokens  # micro-batch in units of the analysed sample
-    state = _Baseline(info, step, mb)
-    mem = state.memory()
-
-    # -- apply effects in stage order -------------------------------------------------------------
-    mm = other = ops_scale = 1.0
-    ops_add = recompute = 0.0
-    time_add: dict[str, float] = {}
-    collectives: list[tuple[str, Collective]] = []
-    pipeline: PipelineShape | None = None
-    grads_persistent, unsharded_grads = False, 0.0
-    for e in effects:
-        for cat in MEMORY:
-            mem[cat] = mem[cat] * e.memory_scale.get(cat, 1.0) + e.memory_add.get(cat, 0.0)
-        mm *= e.matmul_scale
-        other *= e.other_scale
-        ops_scale *= e.ops_scale
-        ops_add += e.ops_add
-        recompute = min(1.0, recompute + e.recompute_fraction)
-        for k, v in e.time_add.items():
-            time_add[f"{e.method}.{k}"] = time_add.get(f"{e.method}.{k}", 0.0) + v
-        collectives += [(e.method, c) for c in e.collectives]
-        grads_persistent |= e.grads_persistent
-        unsharded_grads = max(unsharded_grads, e.grads_unsharded_accum)
-        if e.pipeline is not None:
-            pipeline = e.pipeline
+    c = compose(cand, info, hw)
+    step, dims, notes, mem, state, mb = c.step, cand.dims, c.notes, c.memory, c.baseline, c.mb
+    mm, other, ops_scale, ops_add, recompute = c.matmul_scale, c.other_scale, c.ops_scale, c.ops_add, c.recompute
+    time_add, collectives, pipeline = c.time_add, c.collectives, c.pipeline
+    grads_persistent, unsharded_grads, scale_tokens = c.grads_persistent, c.unsharded_grads, c.scale_tokens
 
     # -- compute on the slowest rank ----------------------------------------------------------------
     loads = pipeline.ranks if pipeline is not None else [StageLoad(info.num_blocks, True, True)]
@@ -168,6 +135,65 @@ def predict(cand: Candidate, info: ModelInfo, hw: Hardware, *, memory_limit: flo
         collectives=records, notes=notes,
     )
 
+
+
+class Composed:
+    """The candidate's methods' effects composed over the baseline (what :func:`predict` prices)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def compose(cand: Candidate, info: ModelInfo, hw: Hardware) -> Composed:
+    """Every method's :class:`Effects` applied in stage order to the single-device baseline: per-rank memory
+    by category (``memory``, before the peak phase is chosen), the compute scales, the recomputed fraction,
+    extra seconds, the collectives and the pipeline shape.
+
+    Raises:
+        StrategyError: a method name that is not registered.
+    """
+    methods = _method_instances(cand)
+    step = StepShape.of(cand, info.param_dtype)
+    dims = cand.dims
+    notes: list[str] = []
+    effects: list[Effects] = []
+    for m in methods:
+        e = m.estimate(info, dims, hw, step)
+        if e is not None:
+            e.method = e.method or type(m).name
+            effects.append(e)
+            notes.extend(f"{e.method}: {n}" for n in e.notes)
+    scale_tokens = cand.seq_len / info.seq_len if info.seq_len else 1.0
+    mb = cand.micro_batch * scale_tokens  # micro-batch in units of the analysed sample
+    state = _Baseline(info, step, mb)
+    mem = state.memory()
+
+    mm = other = ops_scale = 1.0
+    ops_add = recompute = 0.0
+    time_add: dict[str, float] = {}
+    collectives: list[tuple[str, Collective]] = []
+    pipeline: PipelineShape | None = None
+    grads_persistent, unsharded_grads = False, 0.0
+    for e in effects:
+        for cat in MEMORY:
+            mem[cat] = mem[cat] * e.memory_scale.get(cat, 1.0) + e.memory_add.get(cat, 0.0)
+        mm *= e.matmul_scale
+        other *= e.other_scale
+        ops_scale *= e.ops_scale
+        ops_add += e.ops_add
+        recompute = min(1.0, recompute + e.recompute_fraction)
+        for k, v in e.time_add.items():
+            time_add[f"{e.method}.{k}"] = time_add.get(f"{e.method}.{k}", 0.0) + v
+        collectives += [(e.method, c) for c in e.collectives]
+        grads_persistent |= e.grads_persistent
+        unsharded_grads = max(unsharded_grads, e.grads_unsharded_accum)
+        if e.pipeline is not None:
+            pipeline = e.pipeline
+
+    return Composed(step=step, notes=notes, effects=effects, memory=mem, baseline=state, mb=mb,
+                    scale_tokens=scale_tokens, matmul_scale=mm, other_scale=other, ops_scale=ops_scale,
+                    ops_add=ops_add, recompute=recompute, time_add=time_add, collectives=collectives,
+                    pipeline=pipeline, grads_persistent=grads_persistent, unsharded_grads=unsharded_grads)
 
 # -- baseline ----------------------------------------------------------------------------------------
 class _Baseline:
