@@ -47,6 +47,8 @@ class AccelerateResult:
         notes: what each method did, in order.
         replica_monitor: the :class:`~torchloom.parallel.consistency.ReplicaMonitor` when
             ``check_replicas_every`` was given, else None.
+        search: with ``strategy="auto"`` or a plan file, the :class:`~torchloom.search.result.SearchResult`
+            (predictions, trials, the chosen plan); else None.
     """
 
     model: nn.Module
@@ -65,6 +67,7 @@ class AccelerateResult:
     compute_dtype: torch.dtype = torch.float32
     notes: list[str] = field(default_factory=list)
     replica_monitor: Any = None
+    search: Any = None
 
     def check_replicas(self, raise_error: bool = True):
         """Compare the parameters of every data-parallel replica now (a collective: call it on every rank at
@@ -98,6 +101,7 @@ def auto_accelerate(
     max_grad_norm: float | None = None,
     seed: int = 0,
     check_replicas_every: int | None = None,
+    search: dict[str, Any] | None = None,
 ) -> AccelerateResult:
     """Turn a single-device model and recipe into a distributed one (ATorch-compatible signature).
 
@@ -126,6 +130,11 @@ def auto_accelerate(
         max_grad_norm: clip the global gradient norm (across all shards and ranks) to this value.
         seed: ``torch.manual_seed(seed)`` runs on every rank before the methods are applied (so meta-device
             initialisation is the same on every rank); also the default shuffling seed of the sampler.
+        search: options of ``strategy="auto"`` (the strategy search, docs/search.md): ``exclude``/``include``
+            (method names), ``fixed`` (degrees such as ``{"tp": 2}``), ``time_limit_s``, ``top_k`` (confirming
+            runs), ``model_factory`` (a fresh model per trial; default a deep copy of ``model``),
+            ``on_mismatch`` (``"research"``: search again when a plan file was made for another setup),
+            ``cache``, ``seq_len``, ``sample_batch``; see :class:`torchloom.search.options.SearchOptions`.
         check_replicas_every: compare a checksum of every parameter across its data-parallel replicas after
             the first optimizer step and then every N steps, and raise ReplicaDivergenceError naming the
             first parameter that differs (one small all-gather per replica group; docs/methods/ddp.md).
@@ -158,6 +167,10 @@ def auto_accelerate(
                          f"{check_replicas_every!r}.")
     check_replicas_every = check_replicas_every or None  # 0 = off, as in loom train's config
     device = init_distributed()
+    strategy, dataloader_args, searched = _resolve_search(model, strategy, search, dict(
+        optim_func=optim_func, optim_args=optim_args, dataset=dataset, loss_func=loss_func,
+        dataloader_args=dataloader_args, model_input_format=model_input_format, prepare_input=prepare_input,
+        max_grad_norm=max_grad_norm, seed=seed))
     annotated = has_annotations(model)  # replicate/split scopes: they become (or merge into) the strategy
     strategy = strategy_from_annotations(model, _world_size(), strategy) if annotated else Strategy.parse(strategy)
     ctx = AccelContext(model=model, strategy=strategy, device=device)
@@ -231,8 +244,26 @@ def auto_accelerate(
         lr_scheduler=lr_scheduler, strategy=strategy, mesh=ctx.mesh, train_step=step, grad_accum_steps=accum,
         micro_batch_size=micro, global_batch_size=global_bs, loss_scaler=ctx.loss_scaler, device=device,
         compute_dtype=ctx.autocast_dtype or ctx.param_dtype or torch.float32,
-        notes=ctx.notes, replica_monitor=monitor,
+        notes=ctx.notes if searched is None else [*searched.notes, *ctx.notes], replica_monitor=monitor,
+        search=None if searched is None else searched.search,
     )
+
+
+def _resolve_search(model, strategy, search, recipe):
+    """``strategy="auto"`` / a plan file -> ``(strategy, dataloader_args, resolved)`` (``torchloom.search.auto``);
+    anything else passes through with ``resolved=None``."""
+    from .search.auto import resolve, wants_search
+
+    if not wants_search(strategy):
+        if search is not None:
+            raise StrategyError("search=... options are read only with strategy='auto' (or a plan file written by "
+                                f"the search); got strategy={strategy!r}. Drop search= or pass strategy='auto'.")
+        return strategy, recipe["dataloader_args"], None
+    if strategy == "auto" and has_annotations(model):
+        raise StrategyError("strategy='auto' cannot be combined with torchloom.replicate/split annotations (they "
+                            "give the strategy themselves); drop the annotations or pass strategy=None.")
+    resolved = resolve(model, strategy, search, recipe=recipe)
+    return resolved.strategy, resolved.dataloader_args, resolved
 
 
 def plan_dims(strategy: StrategyLike, world_size: int) -> ParallelDims:

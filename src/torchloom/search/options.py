@@ -23,7 +23,7 @@ BUILTIN_CHOICES = (*DP_CHOICES, "fsdp", "tensor_parallel", "sequence_parallel", 
 FIXED_KEYS = ("pp", "dp_replicate", "dp_shard", "tp", "dp", "micro_batch")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 KEYS = ("exclude", "include", "fixed", "time_limit_s", "top_k", "on_mismatch", "model_factory", "cache",
-        "headroom", "trial_steps", "pipeline_schedules", "max_micro_batch")
+        "headroom", "trial_steps", "pipeline_schedules", "max_micro_batch", "seq_len", "sample_batch")
 
 
 @dataclass
@@ -42,6 +42,8 @@ class SearchOptions:
     trial_steps: int = 3
     pipeline_schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b", "zero_bubble")
     max_micro_batch: int | None = None
+    seq_len: int | None = None
+    sample_batch: Any = None
 
     @classmethod
     def parse(cls, search: "dict[str, Any] | SearchOptions | None") -> "SearchOptions":
@@ -55,7 +57,9 @@ class SearchOptions:
         ``model_factory`` (zero-argument callable building a fresh model per trial); ``cache`` (reuse and
         store plans in the plan cache, default True); ``headroom`` (fraction of device memory kept free,
         default 0.05); ``trial_steps`` (timed steps per trial, default 3); ``pipeline_schedules`` (default
-        1f1b, interleaved_1f1b, zero_bubble); ``max_micro_batch``.
+        1f1b, interleaved_1f1b, zero_bubble); ``max_micro_batch``; ``seq_len`` (tokens per sample; default:
+        dim 1 of the sample batch); ``sample_batch`` (one batch to analyse the model and, without a dataset,
+        to train the trials on: ATorch's ``sample_batch``).
 
         Raises:
             StrategyError: not a dict, an unknown key or name (closest suggested, valid ones listed), a bad
@@ -85,6 +89,9 @@ class SearchOptions:
         o.headroom = _number(search, "headroom", o.headroom, lo=0.0)
         if o.headroom >= 1:
             raise StrategyError(f"search: headroom is the fraction of memory kept free, in [0, 1); got {o.headroom}.")
+        if search.get("seq_len") is not None:
+            o.seq_len = int(_number(search, "seq_len", 1, lo=1, integer=True))
+        o.sample_batch = search.get("sample_batch")
         if search.get("max_micro_batch") is not None:
             o.max_micro_batch = int(_number(search, "max_micro_batch", 1, lo=1, integer=True))
         on_mismatch = search.get("on_mismatch", o.on_mismatch)

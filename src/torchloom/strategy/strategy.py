@@ -124,9 +124,10 @@ class Strategy:
                 f"strategy file version {version} is not supported by this torchloom (reads version "
                 f"{FORMAT_VERSION}); upgrade torchloom or rewrite the file."
             )
-        extra = set(data) - {"version", "methods"}
+        extra = set(data) - {"version", "methods", "plan"}
         if extra:
-            raise StrategyError(f"unknown top-level key(s) {sorted(extra)} in strategy file; valid: version, methods.")
+            raise StrategyError(f"unknown top-level key(s) {sorted(extra)} in strategy file; valid: version, methods "
+                                "(and plan, in plan files written by the strategy search).")
         methods = data["methods"] or []
         if not isinstance(methods, list):
             raise StrategyError(
@@ -216,8 +217,9 @@ class Strategy:
         if isinstance(strategy, (str, Path)):
             if isinstance(strategy, str) and strategy == "auto":
                 raise StrategyError(
-                    "strategy='auto' (strategy search) is not available in this version; pass a list of methods, "
-                    "e.g. ['fsdp', 'amp'] or a strategy file."
+                    "strategy='auto' runs the strategy search, which needs the model, the world size and the batch: "
+                    "pass it to auto_accelerate(..., strategy='auto') or `loom train --set strategy=auto` (or plan "
+                    "with `loom plan`); here give a list of methods, e.g. ['fsdp', 'amp'], or a strategy file."
                 )
             if isinstance(strategy, str) and not _is_path_like(strategy):
                 # a single method name is a convenient shorthand
@@ -304,6 +306,11 @@ def _parse_item(item: MethodSpecLike) -> MethodEntry:
         raise StrategyError(f"cannot read strategy item {item!r}: use a method name or a (name, config) pair.")
     if not isinstance(name, str):
         raise StrategyError(f"a method name must be a string; got {name!r}.")
+    if name == "auto":
+        raise StrategyError(
+            "'auto' is not a method: strategy='auto' (the strategy search) stands alone, not inside a list. To pin "
+            "or exclude methods in the search use search={'include': [...], 'exclude': [...], 'fixed': {'tp': 2}}."
+        )
     cls, overrides = resolve_name(name)
     raw = cls.normalise_config(raw) if hasattr(cls, "normalise_config") else raw
     if raw is not None and not isinstance(raw, dict):
