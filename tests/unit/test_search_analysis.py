@@ -158,6 +158,12 @@ def test_user_module():
     assert info.family is None and info.dims == {}
     # saved per block: x (fc1 input), relu output (fc2 input and relu mask share it): t*(d + 4d) fp32
     assert info.blocks[0].act_bytes["float32"] == t * (d + 4 * d) * 4
+    assert info.blocks[0].input_bytes == t * d * 4
+    # transient peak: in fc2's and relu's backward the relu output is still saved while grad(relu out) and
+    # grad(fc1 out) both exist: 2 * t * 4d fp32 above the saved activations (a trace that ignored frees or
+    # counted the parameter gradients would give more; one that ignored backward, 0)
+    assert info.blocks[0].peak_extra_bytes == 2 * t * 4 * d * 4
+    assert info.blocks[0].fwd.ops == 4  # addmm, relu, addmm, add (views are not counted)
     stand_in = analyze_model(model, seq_len=t, sample_input=batch[0])
     assert any("output.sum()" in n for n in stand_in.notes)
 
@@ -192,3 +198,25 @@ def test_llama3_70b_config_on_meta():
     assert info.blocks[0].fwd.matmul_flops == lin + attn
     assert info.rest.act_bytes["float32"] >= 8192 * 128256 * 4  # the logits
     assert info.dims["num_kv_heads"] == 8 and info.family == "llama"
+
+
+def test_mixtral_experts_counted_as_routed():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg)
+    info = analyze_model(model, seq_len=S)
+    block = info.blocks[0]
+    assert info.dims["num_experts"] == 4 and info.dims["experts_per_token"] == 2 and info.family == "mixtral"
+    experts = 4 * (2 * 128 * 64 + 64 * 128)
+    assert block.params == experts + 2 * 64 * 64 + 2 * 32 * 64 + 4 * 64 + 2 * 64  # + attention, router, norms
+    # every token runs top_k=2 experts (not all 4): gate_up (64 -> 256) and down (128 -> 64)
+    routed = 2 * S * 2 * (64 * 256 + 128 * 64)
+    attention = 2 * S * (2 * 64 * 64 + 2 * 32 * 64) + 2 * (2 * S * S * 16 * 4)
+    router = 2 * S * 64 * 4
+    assert block.fwd.matmul_flops == routed + attention + router
+    assert {(m.m, m.n, m.k, m.count) for m in block.fwd.matmuls} >= {(S * 2 // 4, 256, 64, 4), (S * 2 // 4, 64, 128, 4)}
+    # 1% tolerance as above; a trace that ran every expert on every token would be 2x off in the experts
+    assert _total_act(info, "float32") == pytest.approx(_saved_on_real_run(model, S), rel=0.01)

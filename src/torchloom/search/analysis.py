@@ -338,7 +338,8 @@ class _Analysis:
             for i, mod in enumerate(g.modules):
                 stubs[id(mod)] = (mod, self._capturing(g, mod) if i == 0 else self._passthrough(g))
         if groups:
-            self._run_model(stubs)
+            with OpRecorder([]):  # discarded: it only supplies shapes the fake kernels lack (grouped GEMMs)
+                self._run_model(stubs)
         for g in groups:
             if g.call is None:
                 raise ValueError(f"block {g.prefixes[0]} ({g.name}) was not called by the model's forward; pass "
@@ -400,7 +401,7 @@ class _Analysis:
             shared = sum(b for k, b in rec.saved.items() if k in other_in)  # e.g. rotary cos/sin of every block
             act = sum(b for k, b in rec.saved.items() if k not in other_in)
             created_saved = sum(b for k, b in rec.saved.items() if k not in other_in and k not in grad_in)
-            grads = {storage_key(t.grad) for t in state.values() if isinstance(t, torch.Tensor) and t.grad is not None}
+            grads = rec.alive_serials(t.grad for t in state.values() if isinstance(t, torch.Tensor) and t.grad is not None)
             peak = rec.peak_allocated(grads) - created_saved - out_bytes
             res[precision] = dict(rec=rec, act=act, shared=shared, peak=max(0.0, peak),
                                   input=float(sum(grad_in.values())), weights=sum(rec.derived_saved.values()))
@@ -433,7 +434,7 @@ class _Analysis:
             del out
             self._backward(rec, [loss] if loss.requires_grad else [])
             del loss, batch
-            grads = {storage_key(t.grad) for t in state_list if t.grad is not None}
+            grads = rec.alive_serials(t.grad for t in state_list if t.grad is not None)
             # block inputs every instance saves but the rest computes once (rotary cos/sin, masks)
             shared = max((g.traced[precision]["shared"] for g in groups), default=0)
             act = sum(rec.saved.values()) + shared

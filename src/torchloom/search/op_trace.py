@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
@@ -28,6 +29,11 @@ _SDPA_FWD = {aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_
 _SDPA_BWD = {aten._scaled_dot_product_flash_attention_for_cpu_backward,
              aten._scaled_dot_product_efficient_attention_backward,
              aten._scaled_dot_product_flash_attention_backward, aten._scaled_dot_product_cudnn_attention_backward}
+
+
+# matrix products torch.utils.flop_counter has no formula for (CPU flash attention, MoE grouped GEMMs)
+_EXTRA_FLOPS = {aten._scaled_dot_product_flash_attention_for_cpu,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward, aten._grouped_mm}
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -60,6 +66,8 @@ def _gemms(packet, args, out) -> list[Matmul]:
         # recomputed scores, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q (as flop_counter counts them)
         return [Matmul(lq, lk, e, bh), Matmul(lq, lk, ev, bh), Matmul(lk, ev, lq, bh), Matmul(lq, e, lk, bh),
                 Matmul(e, lk, lq, bh)]
+    if packet is aten._grouped_mm:
+        return _grouped_gemms(*args)
     if packet is aten.convolution:
         x, w, o = args[0], args[1], out
         groups = int(args[8]) if len(args) > 8 else 1
@@ -69,7 +77,37 @@ def _gemms(packet, args, out) -> list[Matmul]:
     return []
 
 
+def _grouped_mm_result(a, b, offs=None, bias=None, out_dtype=None):
+    """Output of ``aten._grouped_mm`` (MoE experts) from shapes: 2-D x 3-D -> (M, N) (tokens grouped by
+    expert); 2-D x 2-D -> (G, M, N) (grouped along K: weight gradients); 3-D x 3-D -> batched."""
+    dtype = out_dtype or a.dtype
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[2])
+    elif a.dim() == 3 and b.dim() == 2:
+        shape = (a.shape[1], b.shape[1])
+    elif a.dim() == 2 and b.dim() == 2:
+        shape = (offs.shape[0], a.shape[0], b.shape[1])
+    else:
+        shape = (a.shape[0], a.shape[1], b.shape[2])
+    return torch.empty(shape, dtype=dtype, device=a.device)
+
+
+def _grouped_gemms(a, b, offs=None, *_, **__) -> list[Matmul]:
+    """GEMMs of a grouped matmul; group sizes are data (routing), so tokens count as evenly spread."""
+    if a.dim() == 2 and b.dim() == 3:  # (M, K) x (G, K, N)
+        g = b.shape[0]
+        return [Matmul(max(1, a.shape[0] // g), b.shape[2], a.shape[1], g)]
+    if a.dim() == 3 and b.dim() == 2:  # (G, M, K) x (K_total?, N): per group
+        return [Matmul(a.shape[1], b.shape[1], max(1, b.shape[0] // a.shape[0]), a.shape[0])]
+    if a.dim() == 2 and b.dim() == 2:  # (M, K_total) x (K_total, N), K split by groups
+        g = offs.shape[0]
+        return [Matmul(a.shape[0], b.shape[1], max(1, a.shape[1] // g), g)]
+    return [Matmul(a.shape[1], b.shape[2], a.shape[2], a.shape[0])]
+
+
 def _flops(packet, args, kwargs, out) -> float:
+    if packet is aten._grouped_mm:
+        return sum(g.flops for g in _grouped_gemms(*args, **kwargs))
     if packet is aten._scaled_dot_product_flash_attention_for_cpu:
         return float(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
     if packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:
@@ -107,28 +145,32 @@ class OpRecorder(TorchDispatchMode):
         self.saved: dict[int, int] = {}  # storage -> bytes: activations saved for backward
         self.derived_saved: dict[int, int] = {}  # state-derived copies saved for backward (autocast weights)
         self.events: list[tuple[int, int]] = []  # (storage, +bytes on allocation / -bytes when freed)
-        self._alive: set[int] = set()
+        self._alive: dict[int, int] = {}  # storage -> allocation serial
 
     # -- dispatch ----------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if func._overloadpacket is aten._grouped_mm and isinstance(args[0], FakeTensor):
+            out = _grouped_mm_result(*args, **kwargs)  # its meta kernel takes bf16 only; the CPU kernel fp32 too
+        else:
+            out = func(*args, **kwargs)
         acc = self.passes[self.phase]
-        acc.ops += 1
         packet = func._overloadpacket
+        is_view = getattr(func, "is_view", False)
+        if func.namespace != "prim" and not is_view and packet is not aten.detach:
+            acc.ops += 1  # kernels only: views, detach and prim.device cost no launch
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if packet in flop_registry or packet in (aten._scaled_dot_product_flash_attention_for_cpu,
-                                                 aten._scaled_dot_product_flash_attention_for_cpu_backward):
+        if packet in flop_registry or packet in _EXTRA_FLOPS:
             f = _flops(packet, args, kwargs, out)
             acc.flops += f
             shapes = _gemms(packet, args, out if isinstance(out, torch.Tensor) else None)
             for g in shapes:
                 acc.gemms[(g.m, g.n, g.k)] += g.count
             acc.unshaped_flops += f - sum(g.flops for g in shapes)
-        elif not getattr(func, "is_view", False):
+        elif not is_view:
             acc.other_bytes += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
-        from_state = bool(ins) and not getattr(func, "is_view", False) and all(
+        from_state = bool(ins) and not is_view and all(
             storage_key(t) in self.state or storage_key(t) in self.derived for t in ins)
         in_keys = {storage_key(t) for t in ins}
         for t in outs:
@@ -145,13 +187,21 @@ class OpRecorder(TorchDispatchMode):
             self.derived[key] = nbytes
             weakref.finalize(st, self.derived.pop, key, None)  # the address may be reused by an activation
             return
-        self._alive.add(key)
-        self.events.append((key, nbytes))
-        weakref.finalize(st, self._freed, key, nbytes)
+        # storage addresses are reused after a free: events carry a serial number instead
+        serial = len(self.events)
+        self._alive[key] = serial
+        self.events.append((serial, nbytes))
+        weakref.finalize(st, self._freed, key, serial, nbytes)
 
-    def _freed(self, key: int, nbytes: int) -> None:
-        self._alive.discard(key)
-        self.events.append((key, -nbytes))
+    def _freed(self, key: int, serial: int, nbytes: int) -> None:
+        if self._alive.get(key) == serial:
+            del self._alive[key]
+        self.events.append((serial, -nbytes))
+
+    def alive_serials(self, tensors) -> set[int]:
+        """Allocation serials of the (live) storages of ``tensors``, for :meth:`peak_allocated`'s ``exclude``."""
+        keys = {storage_key(t) for t in tensors}
+        return {s for k, s in self._alive.items() if k in keys}
 
     # -- saved tensors -----------------------------------------------------------------------------------
     def saving(self):
@@ -168,10 +218,11 @@ class OpRecorder(TorchDispatchMode):
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
     def peak_allocated(self, exclude: set[int]) -> float:
-        """Highest sum of live op-allocated storages over the trace, ignoring the storages in ``exclude``."""
+        """Highest sum of live op-allocated storages over the trace, ignoring the allocations ``exclude``
+        (serials from :meth:`alive_serials`, e.g. the parameter gradients)."""
         live = peak = 0
-        for key, delta in self.events:
-            if key in exclude:
+        for serial, delta in self.events:
+            if serial in exclude:
                 continue
             live += delta
             peak = max(peak, live)
