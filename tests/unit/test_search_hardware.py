@@ -186,7 +186,7 @@ def test_cluster_errors_name_the_problem():
 
 
 # ------------------------------------------------------------------------------------- real measurement
-QUICK = {"message_sizes": (4 * KiB, 4 * MiB), "matmul_sizes": (64, 256)}
+QUICK = {"message_sizes": (4 * KiB, 8 * MiB), "matmul_sizes": (64, 256)}
 
 
 def _check_measured(hw: Hardware, ranks: int) -> None:
@@ -197,8 +197,8 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
     assert hw.mem_bw > 1e8 and 0 < hw.op_overhead_s < 1e-3
     for kind in COLLECTIVES:
         (b0, t0), (b1, t1) = hw.intra[kind][ranks].points
-        assert (b0, b1) == (4 * KiB, 4 * MiB)
-        assert 0 < t0 < t1, (kind, t0, t1)  # a 1000x larger message takes longer
+        assert (b0, b1) == (4 * KiB, 8 * MiB)
+        assert 0 < t0 < t1, (kind, t0, t1)  # a 2000x larger message takes longer
     assert hw.fingerprint == calibrate.fingerprint()
 
 
@@ -250,3 +250,23 @@ def test_loom_calibrate_prints_table_and_json(tmp_path, monkeypatch, counted):
     assert counted == [1, 2, 2]
     out = CliRunner().invoke(cli.main, ["calibrate", "--nproc", "two", "--cache-dir", str(tmp_path)])
     assert codes[-1] == 2 and "'two' is not an integer" in out.output
+
+
+def _four_ranks() -> tuple[dict, dict]:
+    one_node = calibrate.measure_in_group(0.3, **QUICK)  # LOCAL_WORLD_SIZE=4: groups of 2 (two at once) and 4
+    two_nodes = calibrate.measure_in_group(0.3, ranks_per_node=2, **QUICK)  # as if 2 nodes of 2 ranks
+    return one_node, two_nodes
+
+
+def test_four_ranks_group_sizes_and_nodes():
+    results = run_ranks(_four_ranks, 4, env={"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "4"})
+    assert all(r == results[0] for r in results)  # rank 0's result everywhere
+    one, two = (Hardware.from_dict(d) for d in results[0])
+    assert (one.ranks_per_node, one.num_nodes) == (4, 1) and set(one.intra["all_reduce"]) == {2, 4}
+    assert one.inter_bw == 0.0
+    assert (two.ranks_per_node, two.num_nodes) == (2, 2) and set(two.intra["all_reduce"]) == {2}
+    assert two.inter_bw > 0 and two.inter_latency_s >= 0  # ring fit across the "nodes"
+    for kind in COLLECTIVES:
+        for g in (2, 4):
+            (_, t0), (_, t1) = one.intra[kind][g].points
+            assert 0 < t0 < t1, (kind, g)
