@@ -25,10 +25,10 @@ GBIT = 1e9 / 8  # bytes/s in one Gb/s
 
 # ---- efficiency assumptions (what a real run reaches of the datasheet number) -----------------------------
 #: Largest-GEMM fraction of dense peak. NVIDIA: an 8192^3 bf16 torch.mm measured 769-798 TFLOP/s of 989 on an
-#: H200 (this project's device notes, /work/.library/device/KINDS.md, 2026-10-28 and 2026-11-04) = 0.80.
+#: H200 (two machines, 2026-10-28 and 2026-11-04; mean of ten products after three warm-ups) = 0.80.
 GEMM_EFFICIENCY = {"nvidia": 0.80, "amd": 0.50}
 GEMM_EFFICIENCY_SOURCE = {
-    "nvidia": "measured 8192^3 bf16 torch.mm 769-798 TFLOP/s of 989 on H200 (device notes KINDS.md, 2026-11-04)",
+    "nvidia": "measured: 8192^3 bf16 torch.mm at 769-798 TFLOP/s of 989 on an H200 (2026-11)",
     "amd": "MI300X sustains ~45-50% of dense peak in BF16 GEMMs: https://aiweekly.co/alerts/"
            "amd-mi300x-hits-only-45-of-peak-flops-in-practice ; AMD's own max-achievable-FLOPs method: "
            "https://rocm.blogs.amd.com/software-tools-optimization/measuring-max-achievable-flops-part2/README.html",
@@ -38,8 +38,8 @@ GEMM_EFFICIENCY_SOURCE = {
 #: https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/index.html).
 #: Assumed 3 us: a 1024^3 bf16 GEMM then reaches ~45% of an H100's peak, a 4096^3 one ~95% of the large-GEMM rate.
 GEMM_FIXED_S = 3e-6
-#: Achieved fraction of HBM bandwidth by large elementwise kernels: a device-to-device copy measured 4.3 TB/s of
-#: 4.8 on an H200 (device notes KINDS.md) = 0.90.
+#: Achieved fraction of HBM bandwidth by large elementwise kernels: a device-to-device copy measured 4.3 TB/s
+#: (bytes read + written) of 4.8 on an H200 (2026-11) = 0.90.
 MEM_EFFICIENCY = 0.90
 #: Ring bus bandwidth reached of the link bandwidth: nccl-tests all_reduce busbw at large sizes, 8x A100 SXM
 #: 230-250 GB/s of 300, 8x H100 PCIe 35-45 GB/s of 64
