@@ -210,7 +210,7 @@ def _log_table(result: SearchResult) -> None:
 
 def _no_fit_message(result: SearchResult, info: ModelInfo, world: int, hw: Hardware, usable: float,
                     options: SearchOptions) -> str:
-    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    gib = _size
     per_param = 4 if info.param_dtype == "float32" else 2
     state = info.n_params * per_param + info.n_trainable * (per_param + 8)  # params + grads + Adam (fp32)
     devices = max(1, math.ceil(state / usable))
@@ -233,7 +233,17 @@ def _no_fit_message(result: SearchResult, info: ModelInfo, world: int, hw: Hardw
         fixes.append("CPU offload (fsdp cpu_offload; " + ("it is excluded: drop 'cpu_offload' from "
                      "search['exclude'])" if "cpu_offload" in options.exclude else "tried: not enough alone)"))
     if mb is None or mb > 1:
-        fixes.append("a smaller micro-batch (search={'fixed': {'micro_batch': 1}} or a smaller global batch)")
+        pinned = options.fixed.get("micro_batch")
+        fixes.append(f"a smaller micro-batch (search={{'fixed': {{'micro_batch': 1}}}}"
+                     + (f" instead of the pinned {pinned})" if pinned else ")"))
     if "checkpoint" in options.exclude:
         fixes.append("activation checkpointing (drop 'checkpoint' from search['exclude'])")
     return head + ". What would make it fit: " + "; ".join(fixes) + "."
+
+
+def _size(b: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (``1.50 GiB``, ``48.8 KiB``)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"

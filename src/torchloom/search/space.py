@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -207,8 +208,24 @@ def _bases_for(dims, dp_item, precisions, extras, global_batch, seq_len, options
         if sched is not None:
             items.append(("pipeline_parallel", {"schedule": sched, "num_microbatches": accum}))
         items += [e for e in extra if e is not None]
+        if _conflicting(tuple(n for n, _ in items)):
+            continue
         out.append(Candidate(dims, tuple(items), mb, accum, seq_len))
     return out
+
+
+@lru_cache(maxsize=4096)
+def _conflicting(names: tuple[str, ...]) -> bool:
+    """Two methods that declare a conflict (``zero1`` with ``pipeline_parallel``, ...; the implied ``ddp`` of
+    ``zero1`` included): never enumerated, as ``Strategy`` would reject them."""
+    from ..strategy.registry import resolve_name
+    from ..strategy.strategy import _conflict_reason
+
+    full = set(names)
+    for n in names:
+        full |= {resolve_name(d)[0].name for d in resolve_name(n)[0].implies}
+    full = sorted(full)
+    return any(_conflict_reason(a, b) for i, a in enumerate(full) for b in full[i + 1:])
 
 
 def _schedule_may_fit(schedule: str, pp: int, n: int, dp_item) -> bool:
@@ -256,9 +273,9 @@ _CHECKED: dict[str, str | None] = {}
 
 
 def check(cand: Candidate, info: ModelInfo) -> str | None:
-    """Why ``auto_accelerate`` would reject ``cand`` (its strategy's conflicts and requirements, the mesh and
-    schedule checks its methods' ``configure`` makes, then each method's ``validate(info, dims)``), or None
-    when it passes. Memoised per model signature, degrees and methods (not the batch split)."""
+    """Why ``auto_accelerate`` would reject ``cand`` (:func:`torchloom.search.validate.validate_strategy`: the
+    strategy's conflicts and requirements, the mesh and schedule checks its methods' ``configure`` makes, then
+    each method's ``validate(info, dims)`` with the whole strategy in view), or None when it passes. Memoised per model signature, degrees and methods (not the batch split)."""
     key = json.dumps([info.signature or id(info), cand.dims.as_dict(), [[n, c] for n, c in cand.methods]],
                      sort_keys=True, default=str)
     if key in _CHECKED:
@@ -271,13 +288,10 @@ def check(cand: Candidate, info: ModelInfo) -> str | None:
 
 
 def _check(cand: Candidate, info: ModelInfo) -> str | None:
-    from ..api import plan_dims
+    from .validate import validate_strategy
 
     try:
-        strategy = cand.strategy()
-        dims = plan_dims(strategy, cand.dims.pp * cand.dims.dp * cand.dims.ep * cand.dims.tp)
-        for m in strategy.ordered():
-            m.validate(info, dims)
+        validate_strategy(cand.strategy(), info, cand.dims)
     except StrategyError as e:
         return str(e)
     return None
