@@ -8,7 +8,7 @@
 # consulted when a strategy is given, and torchloom has no engine client to patch); the two tests ATorch skips
 # without 2 GPUs (only-model, sample-batch) run on 2 CPU gloo ranks here. Assertions are ATorch's, unchanged.
 # Not ported (skipped with the reason): tests of ATorch's engine internals (run_task/Task/DryRunner/Analyser,
-# adjust_strategy with a device context), and tests that need the fully automatic search (issue [7]).
+# adjust_strategy with a device context), and tests that fake the engine's tasks of the fully automatic mode.
 import pickle
 import tempfile
 import unittest
@@ -32,7 +32,8 @@ from tests.compat._ranks import RankCodes
 
 ENGINE_SKIP = ("tests ATorch's acceleration-engine internals (Task/run_task/DryRunner/Analyser/EngineClient), "
                "which torchloom.compat.atorch does not mirror")
-SEARCH_SKIP = "needs auto_accelerate's fully automatic strategy search (load_strategy=None), issue [7]"
+SEARCH_SKIP = ("fakes ATorch's engine tasks for load_strategy=None, which runs torchloom's search here (tested in "
+               "tests/compat/test_atorch_fully_automatic.py)")
 
 
 def save_load_code(data_size, batch_size):

@@ -8,11 +8,16 @@ its ``[step=N]`` line, which is how the test checks that all steps ran. Model si
 (hidden 64, 4 heads, 4 layers, sequence 32). On CPU the example itself leaves out ``amp_native`` and
 ``module_replace`` (it adds them only when CUDA is available).
 
-Fully automatic mode (no ``--load_strategy``: ``load_strategy=None``) needs the strategy search of issue [7];
-until then ``auto_accelerate`` must refuse it with a clear error, which is asserted here.
+Fully automatic mode (no ``--load_strategy``: ``load_strategy=None``) runs torchloom's strategy search
+(issue [7]): the cost model ranks the candidates and short real runs confirm the best; the test checks that
+the search ran its trials, that the strategy it chose is one of the measured ones, and that the example
+then trained all its steps. ``TORCHLOOM_CACHE_DIR`` points at a temporary directory so the machine's
+calibration and plan caches are not read or written.
 """
 import contextlib
 import io
+import logging
+import tempfile
 
 import pytest
 
@@ -37,6 +42,45 @@ def _run_example(argv):
     return out.getvalue()
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _run_searched(argv, cache_dir):
+    """The fully automatic example: what it printed and the search's log lines (logger torchloom.search and
+    compat's "the search chose" line)."""
+    import os
+
+    os.environ["TORCHLOOM_CACHE_DIR"] = str(cache_dir)
+    rec = _Records()
+    loggers = [logging.getLogger("torchloom.search"), logging.getLogger("torchloom.compat.atorch")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(rec)
+        lg.setLevel(logging.INFO)
+    try:
+        printed = _run_example(argv)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(rec)
+            lg.setLevel(level)
+    return printed, rec.lines
+
+
+def _assert_searched(lines):
+    """The search measured trials and chose one of the measured candidates."""
+    trials = [ln.split(": ", 1)[0].split(" ", 2)[2] for ln in lines if ln.startswith("trial ")]
+    chosen = [ln for ln in lines if ln.startswith("auto_accelerate: the search chose ")]
+    assert trials and chosen, lines
+    label = chosen[0][len("auto_accelerate: the search chose "):].split(" (")[0]
+    assert label in trials and "(measured)" in chosen[0], (label, trials, chosen)
+
+
 def _steps(printed):
     return sum(1 for line in printed.splitlines() if line.startswith("[step="))
 
@@ -46,12 +90,11 @@ def _assert_trained(printed, steps):
     assert _steps(printed) == steps, printed
 
 
-def test_toy_fully_automatic_needs_search():
-    """train_toy_fully_automatic_entry.sh (`train.py --model_type toy`): load_strategy=None, issue [7]."""
-    with pytest.raises(Exception) as err:  # noqa: PT011 - the type is compat's choice; the message is checked
-        _run_example(["--model_type", "toy", *SHRINK])
-    msg = str(err.value)
-    assert "load_strategy" in msg and "[7]" in msg, msg
+def test_toy_fully_automatic(tmp_path):
+    """train_toy_fully_automatic_entry.sh (`train.py --model_type toy`): load_strategy=None searches."""
+    printed, lines = _run_searched(["--model_type", "toy", *SHRINK], tmp_path)
+    _assert_searched(lines)
+    _assert_trained(printed, 16 // 8)  # datasize / batchsize (8), one epoch
 
 
 def test_toy_semi_automatic_one_process():
@@ -62,28 +105,26 @@ def test_toy_semi_automatic_one_process():
     _assert_trained(printed, 16 // 8)  # datasize / batchsize (8, the example's default), one epoch
 
 
-def _example_error(argv):
-    """The message of the exception the example raises (None if it runs through)."""
-    try:
-        _run_example(argv)
-    except Exception as e:  # noqa: BLE001 - the test checks the message
-        return f"{type(e).__name__}: {e}"
-    return None
-
+_CACHE = tempfile.mkdtemp(prefix="loom-examples-cache-")  # the ranks' calibration cache (not the machine's)
 
 # the 2-rank cases run in one launch (tests/compat/_ranks.py)
 _CODES = RankCodes({
-    "toy_distributed": (_example_error, (["--model_type", "toy", "--distributed", *SHRINK],), {}),
+    "toy_distributed": (_run_searched, (["--model_type", "toy", "--distributed", *SHRINK], _CACHE),
+                        {}),
     "gpt2": (_run_example, ([*GPT2, *SHRINK],), {}),
     "llama": (_run_example, ([*LLAMA, *SHRINK],), {}),
 })
 
 
 @pytest.mark.distributed
-def test_toy_distributed_fully_automatic_needs_search():
-    """train_toy_distributed_entry.sh (`--model_type toy --distributed`) on 2 gloo ranks: fully automatic."""
-    for msg in _CODES.result("toy_distributed"):
-        assert msg is not None and "load_strategy" in msg and "[7]" in msg, msg
+def test_toy_distributed_fully_automatic():
+    """train_toy_distributed_entry.sh (`--model_type toy --distributed`) on 2 gloo ranks: fully automatic; both
+    ranks log the same trials and choice, rank 0 prints the 16 // 8 steps."""
+    (printed, lines), (_, lines1) = _CODES.result("toy_distributed")
+    _assert_searched(lines)
+    assert [ln for ln in lines if ln.startswith("auto_accelerate: the search chose")] == \
+        [ln for ln in lines1 if ln.startswith("auto_accelerate: the search chose")]
+    _assert_trained(printed, 16 // 8)
 
 
 @pytest.mark.distributed

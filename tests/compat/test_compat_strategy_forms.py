@@ -96,11 +96,6 @@ def test_triples_train_and_return_atorch_result():
     assert best == Strategy([("parallel_mode", ([("data", 1)], None), False)])
 
 
-def test_load_strategy_none_is_a_clear_error():
-    with pytest.raises(NotImplementedError, match=r"issue \[7\].*load_strategy=\["):
-        auto_accelerate(Toy(), torch.optim.SGD, ToyData(), loss_func=loss_func)
-
-
 def test_positional_order_is_atorchs():
     import inspect
 

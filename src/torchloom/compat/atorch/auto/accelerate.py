@@ -31,12 +31,8 @@ AutoAccelerateResult = collections.namedtuple(
 _EXTRA_ARGS = ("find_unused_parameters", "sample_batch", "batch_size", "expand_sample_batch", "sampler_seed",
                "verbose", "time_limit", "ignore_dryrun_on_load_strategy", "meta_init_offload_name")
 
-SEARCH_NOT_AVAILABLE = (
-    "auto_accelerate(load_strategy=None) runs ATorch's automatic strategy search, which torchloom does not have yet "
-    "(issue [7]). Pass a strategy: load_strategy=['parallel_mode', ('amp_native', {'dtype': 'bf16'}), 'fsdp'] (names "
-    "or (name, config) pairs), a Strategy of (name, config, tunable) triples, a file written by save_strategy, or "
-    "pickled ATorch strategy bytes."
-)
+#: keyword arguments only the search reads (the semi-automatic run after it does not get them)
+_SEARCH_ONLY = ("sample_batch", "batch_size", "expand_sample_batch", "time_limit")
 
 
 # -- strategies -------------------------------------------------------------------------------------
@@ -169,21 +165,30 @@ def auto_accelerate(
     distributed-only methods dropped in one process), translated to torchloom methods
     (:mod:`torchloom.compat.atorch.strategy_map`) and applied by :func:`torchloom.auto_accelerate`.
 
+    ``load_strategy=None`` (fully automatic): torchloom's strategy search chooses the strategy
+    (:mod:`torchloom.compat.atorch.auto.automatic`: predicted by the cost model, the best confirmed by short real
+    runs of deep copies of ``model``), honouring ``excluded`` / ``included`` (ATorch method names),
+    ``time_limit`` (seconds for the whole search) and, without a dataset, ``sample_batch`` (+ ``batch_size``);
+    then it is applied as a loaded strategy and returned as ``best_strategy``. As ATorch, it needs
+    ``optim_func`` and a dataset or ``sample_batch`` (else ``(False, None, None)``, logged).
+
     ``dataloader_args["batch_size"]`` is the total batch over the data-parallel ranks, as in ATorch: each
     rank's DataLoader yields ``batch_size // dp`` samples (at least 1, with a warning when it does not
     divide, as ATorch); ``shuffle`` defaults to True with several data-parallel ranks and to the DataLoader's
     False in one, ``drop_last`` to False. ``kargs``: ATorch's ``sample_batch``, ``batch_size``,
-    ``expand_sample_batch``, ``time_limit`` (search/dry-run only: accepted, unused), ``sampler_seed``,
+    ``expand_sample_batch``, ``time_limit`` (read by the search only), ``sampler_seed``,
     ``find_unused_parameters``, ``verbose``, ``ignore_dryrun_on_load_strategy`` (no dry run here).
 
     Returns:
         ``(status, result, best_strategy)``: True, an ``AutoAccelerateResult(model, optim, dataloader,
         loss_func, prepare_input, lr_scheduler, args)`` for a plain training loop, and the adjusted strategy;
-        ``(False, None, None)`` when the strategy cannot be loaded or fitted to the world size (logged).
+        ``(False, None, None)`` when the strategy cannot be loaded or fitted to the world size, or the search
+        finds no strategy that fits (logged with the reason). After a search ``result.args["search"]`` holds
+        the :class:`~torchloom.search.result.SearchResult`.
 
     Raises:
-        NotImplementedError: ``load_strategy=None`` (ATorch's automatic search: issue [7]).
-        StrategyError: a method or option without a counterpart (the message names it and the alternative).
+        StrategyError: a method or option without a counterpart (the message names it and the alternative); an
+            unknown name in ``excluded``/``included`` or an included method the search does not choose.
         TypeError: an unknown keyword argument.
         ValueError: ``distributed_sampler_cls`` or ``meta_init_offload_name`` given (not supported).
     """
@@ -203,7 +208,9 @@ def auto_accelerate(
     assert model_input_format in (None, "unpack_sequence", "unpack_dict"), (  # ATorch asserts too
         f"model_input_format={model_input_format!r} is not valid; use None, 'unpack_sequence' or 'unpack_dict'.")
     if load_strategy is None:
-        raise NotImplementedError(SEARCH_NOT_AVAILABLE)
+        return _fully_automatic(model, optim_func, dataset, loss_func, prepare_input, model_input_format, optim_args,
+                                optim_param_func, dataloader_args, excluded, included, lr_scheduler_cls,
+                                lr_scheduler_args, save_strategy_to_file, kargs)
     notes: list[str] = []
     status, strategy = get_strategy(load_strategy)
     if not status:
@@ -284,6 +291,45 @@ def auto_accelerate(
     log.info("Load strategy successfully and ready for use.\n%s", strategy)
     return True, AutoAccelerateResult(res.model, optim, dataloader, out_loss, out_prepare, res.lr_scheduler,
                                       args), strategy
+
+
+def _fully_automatic(model, optim_func, dataset, loss_func, prepare_input, model_input_format, optim_args,
+                     optim_param_func, dataloader_args, excluded, included, lr_scheduler_cls, lr_scheduler_args,
+                     save_strategy_to_file, kargs):
+    """``load_strategy=None``: search (every rank), then apply the found strategy as a loaded one."""
+    from .automatic import run_search, search_options
+
+    missing = [n for n, bad in (("optim_func", optim_func is None),
+                                ("a dataset or sample_batch", dataset is None and kargs.get("sample_batch") is None))
+               if bad]
+    if missing:  # ATorch refuses the same (its engine dry-runs training steps)
+        log.error("`load_strategy` should not be None: the automatic search trains candidate strategies and needs "
+                  "%s; pass them, or a load_strategy.", " and ".join(missing))
+        return False, None, None
+    options, notes = search_options(excluded, included, kargs.get("time_limit"))
+    if optim_param_func is not None:
+        notes.append("search trials: the optimizer gets the model's parameters without optim_param_func's groups "
+                     "(the trials train copies of the model); the final run uses optim_param_func")
+    user_prepare = prepare_input if prepare_input is not None else data_to_device
+    try:
+        found, result = run_search(model, optim_func=optim_func, optim_args=optim_args, dataset=dataset,
+                                   loss_func=loss_func, prepare_input=user_prepare,
+                                   model_input_format=model_input_format, dataloader_args=dataloader_args,
+                                   sample_batch=kargs.get("sample_batch"), options=options, kargs=kargs)
+    except StrategyError as e:
+        log.error("auto_accelerate cannot find a valid strategy to train model! %s", e)
+        return False, None, None
+    notes.extend(result.notes)
+    log.info("auto_accelerate: the search chose %s (%s)\n%s", result.chosen.label(), result.chosen_by, found)
+    rest = {k: v for k, v in kargs.items() if k not in _SEARCH_ONLY}
+    status, res, strategy = auto_accelerate(
+        model, optim_func, dataset, loss_func, prepare_input, model_input_format, optim_args, optim_param_func,
+        dataloader_args, load_strategy=found, lr_scheduler_cls=lr_scheduler_cls,
+        lr_scheduler_args=lr_scheduler_args, save_strategy_to_file=save_strategy_to_file, **rest)
+    if status:
+        res.args["search"] = result
+        res.args["notes"] = notes + res.args["notes"]
+    return status, res, strategy
 
 
 def _world_size() -> int:
