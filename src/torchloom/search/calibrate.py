@@ -127,10 +127,9 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
     afterwards). Measures, with every rank working at once: matmul FLOP/s per rank by dtype (fp32, bf16;
     fp16 too on CUDA) at five square GEMM sizes; memory bandwidth (elementwise add on tensors larger than the
     caches); per-op dispatch overhead; and on the group's backend all-reduce, all-gather, reduce-scatter,
-    all-to-all, send/recv (ring shift) and broadcast for ``message_sizes`` (default 4 KiB ... 64 MiB; to 256 MiB
-    on CUDA) and every
-    group size dividing ``ranks_per_node`` (default ``$LOCAL_WORLD_SIZE``, else the group size), all groups of
-    one size running side by side. With several nodes, an all-reduce across nodes at the smallest and largest
+    all-to-all, send/recv (ring shift) and broadcast for ``message_sizes`` (default 4 KiB ... 64 MiB; to
+    256 MiB on CUDA) and every group size dividing ``ranks_per_node`` (default ``$LOCAL_WORLD_SIZE``, else the
+    group size), all groups of one size running side by side. With several nodes, an all-reduce across nodes at the smallest and largest
     size gives the ring model's ``inter_bw``/``inter_latency_s``.
 
     ``budget_s`` (seconds) is split over the measurements; each still runs at least one timed call, so

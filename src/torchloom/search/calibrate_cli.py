@@ -36,7 +36,7 @@ def format_table(hw: Hardware) -> str:
     if hw.intra:
         sizes = sorted({b for fits in hw.intra.values() for f in fits.values() for b, _ in f.points})
         head = "".join(f"{_size(s):>10}" for s in sizes)
-        lines.append(f"  collectives (time per call by bytes per rank; groups of one size run side by side):")
+        lines.append("  collectives (time per call by bytes per rank; groups of one size run side by side):")
         lines.append(f"    {'kind':<15}{'group':>5}{head}{'GB/s':>9}")
         for kind, fits in hw.intra.items():
             for g, fit in sorted(fits.items()):
