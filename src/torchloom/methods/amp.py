@@ -63,11 +63,15 @@ class Amp(Method):
         (kept for backward), and casts each matmul's weight and input (two extra ops per GEMM); with fsdp the
         ``MixedPrecisionPolicy`` casts the shards before the all-gather (priced by fsdp). fp16 adds the loss
         scaler's found-inf all-reduce over the world."""
-        from ..search.effects import Collective, Effects, dtype_bytes, rank_params
+        from ..search.effects import Collective, Effects, blocks_per_rank, dtype_bytes, rank_params
 
         e = Effects(self.name)
         if "fsdp" not in step.methods:
-            e.memory_add["temporary"] = rank_params(info, dims) * dtype_bytes(step.compute_dtype)
+            # the analysis measured the copies per part; without it every weight is assumed copied
+            nb, per = max(info.num_blocks, 1), blocks_per_rank(info, dims)
+            copies = (sum(p.autocast_weight_bytes * p.count for p in info.blocks) * per / nb
+                      + (info.rest.autocast_weight_bytes if info.rest is not None else 0.0)) / max(dims.tp, 1)
+            e.memory_add["temporary"] = copies or rank_params(info, dims) * dtype_bytes(step.compute_dtype)
             gemms = sum(g.count for p in info.blocks for g in p.fwd.matmuls) / max(info.num_blocks, 1)
             e.ops_add = 2.0 * gemms
         if step.compute_dtype == "float16" and dims.dp * dims.tp * dims.pp > 1:
