@@ -76,6 +76,8 @@ def test_llama_params_flops_shapes():
                          "intermediate_size": 128, "vocab_size": 128, "num_layers": 3}
     assert info.family == "llama" and info.tied == [] and len(info.signature) == 16
     assert block.input_bytes == S * 64 * 4 and rest.input_bytes == 2 * S * 8  # hidden state; ids + labels
+    again = analyze_model(model, seq_len=S)  # in-process cache: an equal, independent copy
+    assert again.parts == info.parts and again.parts is not info.parts and again.module is model
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
@@ -177,6 +179,10 @@ def test_bad_input():
         analyze_model(_Net(), seq_len=4, sample_input=[torch.randn(1, 4, 8)], input_format="unpack_dict")
     with pytest.raises(ValueError, match="seq_len"):
         analyze_model(tiny_llama(), seq_len=0)
+    with pytest.raises(ValueError, match="model_type"):
+        analyze_config({"model_type": "no-such-model"}, seq_len=8)
+    with pytest.raises(ValueError, match="model_type"):
+        analyze_config({"hidden_size": 8}, seq_len=8)
 
 
 def _rss() -> int:

@@ -192,11 +192,9 @@ class _Analysis:
         dtypes = Counter()
         for p in uniq:
             dtypes[str(p.dtype).replace("torch.", "")] += p.numel()
-        from ..parallel.blocks import shared_parameter_owners  # noqa: F401  (same notion of ties)
-
         return ModelInfo(
             name=type(model).__name__, seq_len=self.seq_len, parts=parts,
-            block_classes=sorted({type(g.modules[0]).__name__ for g in groups}, key=[type(g.modules[0]).__name__ for g in groups].index),
+            block_classes=list(dict.fromkeys(type(g.modules[0]).__name__ for g in groups)),
             num_blocks=sum(len(g.modules) for g in groups),
             n_params=sum(p.numel() for p in uniq), n_trainable=sum(p.numel() for p in uniq if p.requires_grad),
             param_dtype=dtypes.most_common(1)[0][0] if dtypes else "float32",
@@ -484,8 +482,14 @@ def _is_kv_cache(v) -> bool:
 
 
 def _empty_cache(v):
-    """A copy of a KV cache before the first block wrote to it (the real call's cache is unchanged)."""
-    return copy.deepcopy(v) if _is_kv_cache(v) else v
+    """A copy of a KV cache before the first block wrote to it (the real call's cache is unchanged); None
+    (the block then runs without a cache) for a cache that cannot be copied (it holds non-leaf tensors)."""
+    if not _is_kv_cache(v):
+        return v
+    try:
+        return copy.deepcopy(v)
+    except RuntimeError:
+        return None
 
 
 def _clear_grads(tensors) -> None:
