@@ -74,7 +74,10 @@ def resolve(model: nn.Module, strategy: Any, search: dict | SearchOptions | None
                                  global_batch=loader_args.get("batch_size"), machine=machine_fingerprint())
         if not diffs:
             loader_args.update(plan.dataloader_args())
-            return Resolved(strat, loader_args, plan.result,
+            saved = plan.result
+            if saved is not None:
+                saved.chosen_by = "plan"
+            return Resolved(strat, loader_args, saved,
                             [f"plan file {strategy}: {plan.candidate.label()} (searched before; no new search)"])
         if options.on_mismatch != "research":
             raise refusal(strategy, diffs)
