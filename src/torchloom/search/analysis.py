@@ -182,6 +182,9 @@ class _Analysis:
         params = dict(model.named_parameters())  # tied: first name only
         block_ids = {id(p) for g in groups for m in g.modules for p in m.parameters()}
         rest_params = [p for p in params.values() if id(p) not in block_ids]
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+            self.notes.append("the model has gradient checkpointing enabled: the traced activations are what "
+                              "checkpointing keeps, not the full ones (disable it before planning).")
         with self._train_mode(), self.mode:
             self.fake = self._fake_state()
             self._capture(groups)
