@@ -37,7 +37,8 @@ class PassCost:
         matmuls: the GEMMs behind ``matmul_flops`` by shape (for shape-dependent achieved FLOP/s).
         other_bytes: bytes read + written by every other op (elementwise, norms, softmax, copies): the
             memory-bandwidth-bound part.
-        ops: number of dispatched ATen ops (per-op launch/dispatch overhead, significant on CPU).
+        ops: number of dispatched ATen ops that run a kernel (views, ``detach`` and ``prim`` ops not counted):
+            per-op launch/dispatch overhead, significant on CPU.
     """
 
     matmul_flops: float = 0.0
