@@ -1,0 +1,315 @@
+"""How accurate is the planner? Every candidate of a grid is run for real on this machine and compared with
+what the cost model predicts for it (step time, peak memory per rank), and the plan ``strategy="auto"``
+chooses is compared with the best measured one.
+
+    .venv/bin/python benchmarks/search_accuracy.py                  # measure, predict, compare (~10 min)
+    .venv/bin/python benchmarks/search_accuracy.py --quick          # a smaller grid (~4 min)
+    .venv/bin/python benchmarks/search_accuracy.py --measure-only   # write benchmarks/results/*.json only
+    .venv/bin/python benchmarks/search_accuracy.py --predict-only   # compare against the saved JSON
+
+Models (global batch fixed per model, AdamW, random tokens, ``labels = input_ids``):
+
+- ``default``: the default ``loom train`` model (``train/configs/default.yaml``: LLaMA, 4.46 M parameters,
+  vocab 2048, hidden 256, 4 layers, 4 heads, intermediate 768), sequence 128, global batch 16.
+- ``llama25m``: LLaMA with vocab 8192, hidden 512, 6 layers, 8 heads (8 KV heads), intermediate 1408,
+  untied embeddings: 27.7 M parameters; sequence 128, global batch 4.
+
+Grid per world size (2 and 4 processes; ``OMP_NUM_THREADS = max(1, 2 // nproc)`` as ``loom run`` sets):
+DDP, ZeRO-1, ZeRO-2, ZeRO-3, TP, PP (1F1B), and on 4 processes dp2 x tp2 (FSDP 2-D), dp2 x pp2 (DDP),
+tp2 x pp2; each with and without activation checkpointing of every block; bf16 autocast for a few. One
+launch per world size runs every candidate of both models in turn (``--rounds`` repeats the whole grid,
+interleaved, and keeps the median). Time and memory come from :func:`torchloom.search.measure.measure_steps`
+(the same function the search's confirming trials use): median step time of the slowest rank; peak of live
+tensor bytes during one extra, untimed step (MemTracker), max over ranks.
+
+Outputs: ``benchmarks/results/search_grid_<model>_w<N>.json`` (measurements, machine, load), and with
+predictions ``benchmarks/results/search_accuracy.json`` (per-candidate errors and the metrics) and
+``docs/images/search_accuracy.png`` (log-log predicted vs measured).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MODELS = {
+    "default": {"config": None, "global_batch": 16},  # None: train/configs/default.yaml's model
+    "llama25m": {"config": {"vocab_size": 8192, "hidden_size": 512, "num_layers": 6, "num_heads": 8,
+                            "num_kv_heads": 8, "intermediate_size": 1408, "seq_len": 128,
+                            "tie_embeddings": False, "rope_theta": 10000.0},
+                 "global_batch": 4},
+}
+
+
+# ----------------------------------------------------------------------------------------------- models
+def model_config(name: str):
+    """The :class:`~torchloom.train.config.ModelConfig` of a benchmark model."""
+    from torchloom.train.config import ModelConfig, TrainConfig, read_yaml, resolve_config_path
+
+    spec = MODELS[name]["config"]
+    if spec is None:
+        return TrainConfig.from_dict(read_yaml(resolve_config_path("default.yaml"))).model
+    return ModelConfig(**spec)
+
+
+def build(name: str, meta: bool = False):
+    """A fresh ``LlamaForCausalLM`` of the benchmark model (seed 0), on the meta device if asked."""
+    import torch
+
+    from torchloom.train.job import build_model
+
+    mc = model_config(name)
+    if meta:
+        with torch.device("meta"):
+            return build_model(mc, mc.vocab_size, eos_id=0, seed=0)
+    return build_model(mc, mc.vocab_size, eos_id=0, seed=0)
+
+
+def lm_loss(batch, output):
+    return output.loss
+
+
+# ------------------------------------------------------------------------------------------------- grid
+def grid(model: str, world: int, quick: bool = False) -> list:
+    """The candidates measured for ``model`` on ``world`` processes, at the model's fixed global batch.
+
+    Each is a :class:`~torchloom.search.candidate.Candidate`; ``micro_batch`` is the samples per forward
+    (with pipeline parallelism: per pipeline micro-batch, ``grad_accum`` = the schedule's micro-batches).
+    """
+    from torchloom.parallel.mesh import ParallelDims
+    from torchloom.search.candidate import Candidate
+
+    gb, seq = MODELS[model]["global_batch"], model_config(model).seq_len
+    ac = ("checkpoint", {"every_k": 1})
+    amp = ("amp", {"dtype": "bfloat16"})
+    out: list[Candidate] = []
+
+    def add(dims: dict, methods: list, extra: list[list] = ([],)) -> None:
+        d = ParallelDims(**dims)
+        if d.pp * d.dp_replicate * d.dp_shard * d.tp * d.ep != world:
+            return
+        per_dp = gb // d.dp
+        if d.pp > 1:
+            micro_count = min(2 * d.pp, per_dp)
+            pp = ("pipeline_parallel", {"schedule": "1f1b", "num_microbatches": micro_count})
+            base, mb, accum = [pp, *methods], per_dp // micro_count, micro_count
+        else:
+            base, mb, accum = list(methods), per_dp, 1
+        for x in extra:
+            out.append(Candidate(d, tuple((n, dict(c)) for n, c in [*base, *x]), mb, accum, seq))
+
+    w = world
+    variants = [[], [ac]] if quick else [[], [ac], [amp]]
+    add({"dp_replicate": w}, [("ddp", {})], variants)
+    add({"dp_replicate": w}, [("ddp", {}), ("zero1", {})], [[]] if quick else [[], [ac]])
+    add({"dp_shard": w}, [("fsdp", {"reshard_after_forward": False})], [[]] if quick else [[], [ac]])
+    add({"dp_shard": w}, [("fsdp", {"reshard_after_forward": True})], variants)
+    add({"tp": w}, [("tensor_parallel", {})], [[], [ac]])
+    add({"pp": w}, [], [[], [ac]])
+    if w == 4:
+        add({"dp_shard": 2, "tp": 2}, [("tensor_parallel", {}), ("fsdp", {"reshard_after_forward": True})],
+            [[]] if quick else [[], [ac]])
+        add({"pp": 2, "dp_replicate": 2}, [("ddp", {})], [[]] if quick else [[], [ac]])
+        add({"pp": 2, "tp": 2}, [("tensor_parallel", {})], [[]])
+    if model != "default":  # the larger model runs ~6x slower per step: no bf16 variants, fewer AC twins
+        out = [c for c in out if "amp" not in c.names]
+    return out
+
+
+def accelerate_args(cand) -> dict:
+    """``dataloader_args`` for ``auto_accelerate`` that reproduce the candidate's batch split: the global
+    batch, and the per-call batch ``train_step`` takes (the whole per-rank batch under pipelining, which
+    the schedule splits into ``grad_accum`` micro-batches)."""
+    per_call = cand.micro_batch * cand.grad_accum if cand.dims.pp > 1 else cand.micro_batch
+    return {"batch_size": cand.global_batch, "micro_batch_size": per_call}
+
+
+# ---------------------------------------------------------------------------------------------- measure
+def run_grid(jobs: list[tuple[str, dict]], steps: int, warmup: int, rounds: int, log_path: str) -> list[dict]:
+    """On every rank: for each round, for each ``(model, candidate dict)``: a fresh model, the candidate's
+    strategy through ``auto_accelerate``, :func:`measure_steps`, then the trial's groups torn down. A
+    failing candidate is recorded (``error``), never fatal. Rank 0 appends each row to ``log_path`` as it
+    goes (a crash keeps what was measured)."""
+    import torch
+    import torch.distributed as dist
+
+    import torchloom
+    from torchloom.search.candidate import Candidate
+    from torchloom.search.measure import measure_steps
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank = dist.get_rank()
+    rows: list[dict] = []
+    for r in range(rounds):
+        for model_name, cdict in jobs:
+            cand = Candidate.from_dict(cdict)
+            state = _capture()
+            row = {"model": model_name, "candidate": cdict, "label": cand.label(), "round": r}
+            t0 = time.perf_counter()
+            try:
+                mc = model_config(model_name)
+                res = torchloom.auto_accelerate(
+                    build(model_name), torch.optim.AdamW, None, lm_loss, strategy=cand.strategy(),
+                    optim_args={"lr": 1e-4}, dataloader_args=accelerate_args(cand),
+                    model_input_format="unpack_dict")
+                g = torch.Generator().manual_seed(1000 + res.mesh.dp_rank)  # tp/pp peers read the same batch
+                per_call = res.micro_batch_size
+                batches = []
+                for _ in range(2):
+                    ids = torch.randint(0, mc.vocab_size, (per_call, mc.seq_len), generator=g)
+                    batches.append({"input_ids": ids, "labels": ids})
+                row["setup_s"] = time.perf_counter() - t0
+                m = measure_steps(res, batches, steps=steps, warmup=warmup)
+                row.update(m.to_dict())
+                row["loadavg"] = os.getloadavg()
+                del res
+            except Exception as e:  # noqa: BLE001 - a failing candidate is a result
+                row["error"] = f"{type(e).__name__}: {e}"
+            row["wall_s"] = time.perf_counter() - t0
+            gc.collect()
+            _restore(state)
+            dist.barrier()
+            rows.append(row)
+            if rank == 0:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                status = row.get("error") or (f"{row['step_time_s'] * 1e3:8.1f} ms  "
+                                              f"{row['peak_memory_bytes'] / 2**20:7.1f} MiB")
+                print(f"[w{dist.get_world_size()} r{r}] {model_name:9} {row['label']:42} {status}", flush=True)
+    return rows
+
+
+def _capture():
+    try:
+        from torchloom.search.isolation import ProcessState
+
+        return ProcessState.capture()
+    except ImportError:
+        return None
+
+
+def _restore(state) -> None:
+    if state is not None:
+        state.restore()
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "host": platform.node()}
+
+
+def measure(models: list[str], worlds: list[int], quick: bool, steps: int, warmup: int, rounds: int,
+            only: list[str] | None = None) -> None:
+    from torchloom.testing import run_ranks
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for w in worlds:
+        jobs = [(m, c.to_dict()) for m in models for c in grid(m, w, quick)
+                if not only or any(o in c.label() for o in only)]
+        log_path = RESULTS / f".search_grid_w{w}.partial.jsonl"
+        log_path.unlink(missing_ok=True)
+        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // w))}
+        os.environ.update(env)
+        load_before, t0 = os.getloadavg(), time.time()
+        print(f"world {w}: {len(jobs)} candidates x {rounds} round(s), {steps} steps after {warmup} warm-up, "
+              f"load {load_before[0]:.2f}", flush=True)
+        error = ""
+        try:
+            rows = run_ranks(run_grid, w, jobs, steps, warmup, rounds, str(log_path), timeout=3600, env=env)[0]
+        except RuntimeError as e:  # keep what rank 0 logged before the launch failed
+            error = str(e)[-2000:]
+            print(f"world {w}: launch failed, keeping the logged rows: {error}", file=sys.stderr)
+            rows = [json.loads(ln) for ln in log_path.read_text().splitlines()] if log_path.exists() else []
+        meta = {"world_size": w, "steps": steps, "warmup": warmup, "rounds": rounds, "quick": quick,
+                "omp_num_threads": int(env["OMP_NUM_THREADS"]), "machine": machine(),
+                "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "wall_s": time.time() - t0,
+                "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "launch_error": error,
+                "command": " ".join(["benchmarks/search_accuracy.py", *sys.argv[1:]])}
+        for m in models:
+            mine = [r for r in rows if r["model"] == m]
+            out = {"model": m, "model_config": _model_config_dict(m), "global_batch": MODELS[m]["global_batch"],
+                   **meta, "candidates": _merge_rounds(mine)}
+            path = RESULTS / f"search_grid_{m}_w{w}.json"
+            path.write_text(json.dumps(out, indent=1))
+            print(f"wrote {path.relative_to(ROOT)}", flush=True)
+        log_path.unlink(missing_ok=True)
+
+
+def _model_config_dict(name: str) -> dict:
+    from dataclasses import asdict
+
+    return asdict(model_config(name))
+
+
+def _merge_rounds(rows: list[dict]) -> list[dict]:
+    """One entry per candidate: the median over rounds of the step time, the max of the peak memory."""
+    import statistics
+
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(json.dumps(r["candidate"], sort_keys=True), []).append(r)
+    out = []
+    for rs in by.values():
+        ok = [r for r in rs if "error" not in r]
+        base = {"candidate": rs[0]["candidate"], "label": rs[0]["label"]}
+        if not ok:
+            out.append({**base, "error": rs[0]["error"]})
+            continue
+        best = max(ok, key=lambda r: r["peak_memory_bytes"])
+        out.append({**base, "step_time_s": statistics.median(r["step_time_s"] for r in ok),
+                    "round_step_time_s": [r["step_time_s"] for r in ok],
+                    "step_times": [t for r in ok for t in r["step_times"]],
+                    "peak_memory_bytes": best["peak_memory_bytes"], "memory": best["memory"],
+                    "rank_peak_bytes": best["rank_peak_bytes"], "state_bytes": best["state_bytes"],
+                    "memory_method": best["memory_method"], "memory_error": best["memory_error"],
+                    "setup_s": statistics.median(r["setup_s"] for r in ok),
+                    "loadavg": [r["loadavg"] for r in ok]})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- predict
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--worlds", nargs="*", type=int, default=[2, 4])
+    ap.add_argument("--quick", action="store_true", help="a smaller grid (no bf16, fewer checkpointing twins)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per candidate (default 5, quick 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2, quick 1)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the grid, interleaved; median of rounds")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--measure-only", action="store_true", help="run the grid, write the JSON, stop")
+    mode.add_argument("--predict-only", action="store_true", help="compare with the saved JSON, run nothing")
+    ap.add_argument("--only", nargs="*", help="measure only candidates whose label contains one of these")
+    ap.add_argument("--no-auto", action="store_true", help="skip the strategy='auto' search run")
+    args = ap.parse_args()
+    steps = args.steps or (3 if args.quick else 5)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    t0 = time.time()
+    if not args.predict_only:
+        measure(args.models, args.worlds, args.quick, steps, warmup, args.rounds, args.only)
+    if not args.measure_only:
+        from _accuracy import report
+
+        report(args.models, args.worlds, auto=not args.no_auto, quick=args.quick)
+    print(f"total {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
