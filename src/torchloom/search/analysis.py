@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import inspect
-import json
 from collections import Counter, OrderedDict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -25,8 +24,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ..errors import StrategyError
 from ..parallel.blocks import detect_block_classes, find_blocks
+from .hf_config import build_meta_model, hf_config_of, load_config, model_dims, model_family
 from .model_info import ModelInfo, PartInfo
 from .op_trace import OpRecorder, storage_key
 
@@ -103,7 +102,7 @@ def analyze_config(hf_config: Any, *, seq_len: int | None = None, name: str | No
     """
     import warnings
 
-    cfg = _load_config(hf_config)
+    cfg = load_config(hf_config)
     if seq_len is None:
         seq_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         if not seq_len:
@@ -113,24 +112,6 @@ def analyze_config(hf_config: Any, *, seq_len: int | None = None, name: str | No
     model = build_meta_model(cfg)
     info = analyze_model(model, seq_len=int(seq_len), name=name or cfg.model_type)
     return info
-
-
-def build_meta_model(cfg) -> nn.Module:
-    """A transformers model for ``cfg`` on the meta device (fp32 parameters, no storage).
-
-    Raises:
-        ValueError: no auto class of transformers supports ``cfg.model_type``.
-    """
-    import transformers as tf
-
-    errors = []
-    for auto in (tf.AutoModelForCausalLM, tf.AutoModelForSeq2SeqLM, tf.AutoModel):
-        try:
-            with torch.device("meta"):
-                return auto.from_config(cfg, dtype=torch.float32)
-        except ValueError as e:  # "Unrecognized configuration class ..."
-            errors.append(str(e).splitlines()[0])
-    raise ValueError(f"transformers cannot build a model for model_type '{cfg.model_type}': {errors[-1]}")
 
 
 def signature(model: nn.Module, seq_len: int, sample_input: Any = None) -> str:
@@ -190,7 +171,7 @@ class _Analysis:
             self._capture(groups)
             parts = [self._trace_block(g) for g in groups]
             parts.append(self._trace_rest(groups, rest_params))
-        cfg = _hf_config(model)
+        cfg = hf_config_of(model)
         uniq = list(params.values())
         dtypes = Counter()
         for p in uniq:
@@ -201,7 +182,7 @@ class _Analysis:
             num_blocks=sum(len(g.modules) for g in groups),
             n_params=sum(p.numel() for p in uniq), n_trainable=sum(p.numel() for p in uniq if p.requires_grad),
             param_dtype=dtypes.most_common(1)[0][0] if dtypes else "float32",
-            tied=_tied_names(model), dims=_dims(cfg), family=_family(model, cfg), module=model,
+            tied=_tied_names(model), dims=model_dims(cfg), family=model_family(model, cfg), module=model,
             notes=self.notes,
         )
 
@@ -249,7 +230,7 @@ class _Analysis:
         """The fake batch and how to call the model with it: (batch, args, kwargs)."""
         if self.sample_input is None:
             fwd = inspect.signature(self.model.forward).parameters
-            if _hf_config(self.model) is None or "input_ids" not in fwd or "labels" not in fwd:
+            if hf_config_of(self.model) is None or "input_ids" not in fwd or "labels" not in fwd:
                 raise ValueError(
                     f"{type(self.model).__name__} is not a Hugging Face model taking input_ids and labels: pass "
                     "sample_input (one batch at micro-batch 1), input_format (None, 'unpack_sequence' or "
@@ -514,73 +495,8 @@ def _copy_info(info: ModelInfo) -> ModelInfo:
     return out
 
 
-def _hf_config(model: nn.Module):
-    from ..parallel.tensor.plans import hf_config
-
-    return hf_config(model)
-
-
-def _family(model: nn.Module, cfg) -> str | None:
-    from ..parallel.tensor.plans import supported_families
-
-    mt = getattr(cfg, "model_type", None)
-    return mt if mt in supported_families() else None
-
-
 def _tied_names(model: nn.Module) -> list[list[str]]:
     by_id: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(n)
     return [names for names in by_id.values() if len(names) > 1]
-
-
-_DIM_ATTRS = {
-    "hidden_size": ("hidden_size", "n_embd", "d_model"),
-    "num_heads": ("num_attention_heads", "n_head", "num_heads"),
-    "num_kv_heads": ("num_key_value_heads",),
-    "head_dim": ("head_dim", "d_kv"),
-    "intermediate_size": ("intermediate_size", "n_inner", "d_ff", "ffn_dim"),
-    "vocab_size": ("vocab_size",),
-    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
-    "experts_per_token": ("num_experts_per_tok", "moe_topk"),
-}
-
-
-def _dims(cfg) -> dict[str, int]:
-    """Architecture sizes from a Hugging Face config (missing ones derived the way the models do)."""
-    if cfg is None:
-        return {}
-    dims = {}
-    for key, attrs in _DIM_ATTRS.items():
-        for a in attrs:
-            v = getattr(cfg, a, None)
-            if isinstance(v, int) and not isinstance(v, bool):
-                dims[key] = v
-                break
-    if "num_heads" in dims:
-        dims.setdefault("num_kv_heads", dims["num_heads"])
-        if "hidden_size" in dims:
-            dims.setdefault("head_dim", dims["hidden_size"] // dims["num_heads"])
-    if "intermediate_size" not in dims and getattr(cfg, "model_type", None) == "gpt2" and "hidden_size" in dims:
-        dims["intermediate_size"] = 4 * dims["hidden_size"]  # GPT-2's n_inner=None
-    return dims
-
-
-def _load_config(hf_config):
-    from pathlib import Path
-
-    import transformers as tf
-
-    if isinstance(hf_config, tf.PretrainedConfig):
-        return hf_config
-    if isinstance(hf_config, (str, Path)):
-        hf_config = json.loads(Path(hf_config).read_text())
-    if not isinstance(hf_config, dict) or "model_type" not in hf_config:
-        raise ValueError("hf_config must be a transformers PretrainedConfig, a config.json dict with "
-                         "'model_type', or the path to a config.json.")
-    d = dict(hf_config)
-    try:
-        return tf.AutoConfig.for_model(d.pop("model_type"), **d)
-    except ValueError as e:
-        raise ValueError(f"unknown model_type in hf_config: {e}") from e
