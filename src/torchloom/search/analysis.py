@@ -70,7 +70,8 @@ def analyze_model(model: nn.Module, *, seq_len: int, sample_input: Any = None, i
         raise ValueError(f"input_format={input_format!r} is not valid; use None, 'unpack_sequence' or 'unpack_dict'.")
     sig = signature(model, seq_len, sample_input)
     key = (sig, tuple(block_classes) if block_classes is not None else None, input_format, name)
-    cacheable = loss_func is None and sample_input is None
+    # cache meta models only (``loom plan`` re-analyses built-in configs; a CPU model would be kept alive)
+    cacheable = loss_func is None and sample_input is None and all(p.is_meta for p in model.parameters())
     if cacheable and key in _CACHE and _CACHE[key].module is model:
         _CACHE.move_to_end(key)
         return _copy_info(_CACHE[key])
@@ -190,7 +191,7 @@ class _Analysis:
         groups: dict[tuple, _Group] = {}
         seen: set[int] = set()
         for qual, mod in blocks:
-            if id(mod) in seen:  # the same module listed twice (shared layer): traced once per call below
+            if id(mod) in seen:  # the same module listed twice (a shared layer) counts once
                 continue
             seen.add(id(mod))
             shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in mod.named_parameters())
@@ -205,7 +206,7 @@ class _Analysis:
 
     @contextmanager
     def _train_mode(self):
-        """Trace as training runs (dropout, no KV cache); every module's flag is restored after."""
+        """Trace as training runs (dropout on); every module's flag is restored after."""
         flags = [(m, m.training) for m in self.model.modules()]
         self.model.train()
         try:
