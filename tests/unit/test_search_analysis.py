@@ -185,6 +185,20 @@ def test_bad_input():
         analyze_config({"hidden_size": 8}, seq_len=8)
 
 
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x[x > 0])  # the shape depends on the values
+
+
+def test_value_dependent_forward_is_a_clear_error():
+    with pytest.raises(ValueError, match="cannot trace _DataDependent on fake tensors.*do not depend on tensor values"):
+        analyze_model(_DataDependent(), seq_len=1, sample_input=torch.randn(1, 4), loss_func=lambda b, o: o.sum())
+
+
 def _rss() -> int:
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
