@@ -3,7 +3,8 @@
 A YAML file gives any subset of the sections below; what it leaves out keeps its default. Unknown keys
 are errors (the message names the key and lists the valid ones), so a typo never silently trains with a
 default. ``--set section.key=value`` overrides single values after the file (values are parsed as YAML:
-``--set train.lr=1e-3``, ``--set strategy=[fsdp]``).
+``--set train.lr=1e-3``, ``--set strategy=[fsdp]``). ``strategy: auto`` searches the strategy (docs/train.md,
+"Strategy search"; the ``search`` section holds its options).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import yaml
 
@@ -186,12 +187,16 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    """The whole job. ``strategy`` is a torchloom method list (``[ddp]``, ``[fsdp, amp]``, ...)."""
+    """The whole job. ``strategy`` is a torchloom method list (``[ddp]``, ``[fsdp, amp]``, ...) or ``auto``: the
+    strategy search (:func:`torchloom.search.search.search` with confirming runs) chooses it, with the
+    options of ``search`` (``exclude``, ``include``, ``fixed``, ``time_limit_s``, ``top_k``, ...; the
+    ``parallel`` section's degrees are pinned as ``fixed``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
-    strategy: list[Any] = field(default_factory=lambda: ["ddp"])
+    strategy: list[Any] | Literal["auto"] = field(default_factory=lambda: ["ddp"])
+    search: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -286,6 +291,12 @@ class TrainConfig:
                               f"watchdog.first_step_timeout_s={self.watchdog.first_step_timeout_s} > 0 (seconds).")
         if not self.output_dir:
             raise ConfigError("output_dir must not be empty.")
+        if self.is_auto:
+            self.search_options()  # the search's own checks (unknown keys and methods are named)
+            return
+        if self.search:
+            raise ConfigError(f"search={self.search!r} is read only with strategy: auto (strategy is "
+                              f"{self.strategy!r}); set strategy=auto or drop the search section.")
         from ..strategy.strategy import Strategy
 
         try:
@@ -309,6 +320,8 @@ class TrainConfig:
         from ..errors import TorchloomError
         from ..strategy.strategy import Strategy
 
+        if self.is_auto:  # the search chooses the degrees and the batch split (and names what cannot fit)
+            return
         strategy = self.full_strategy()
         try:
             dims = plan_dims(strategy, world_size)
@@ -355,14 +368,54 @@ class TrainConfig:
                 raise ConfigError(f"{name}={degree} does not fit the model ({sizes}): {e} Valid {name} for this "
                                   f"model: {', '.join(map(str, valid)) or 'none'}.") from e
 
+    @property
+    def is_auto(self) -> bool:
+        """True for ``strategy: auto`` (the strategy search chooses the strategy)."""
+        return self.strategy == "auto"
+
+    def search_options(self) -> dict[str, Any]:
+        """The ``search`` section as ``auto_accelerate``'s ``search=`` dict, with the ``parallel`` section's
+        degrees given (``tp``, ``pp``, ``dp_replicate``, ``dp_shard`` other than the defaults) pinned in
+        ``fixed`` and ``train.micro_batch`` as ``fixed.micro_batch``.
+
+        Raises:
+            ConfigError: an invalid ``search`` section (the search's message), a ``model_factory`` key (the job
+                supplies its own), or a degree given both in ``parallel`` and in ``search.fixed``.
+        """
+        from ..errors import StrategyError
+        from ..search.options import SearchOptions
+
+        opts = dict(self.search)
+        if "model_factory" in opts:
+            raise ConfigError("search.model_factory cannot be set in a config: the job builds its model itself.")
+        fixed = dict(opts.get("fixed") or {})
+        p = self.parallel
+        pinned = {k: v for k, v in (("tp", p.tp), ("pp", p.pp)) if v != 1}
+        pinned.update({k: getattr(p, k) for k in ("dp_replicate", "dp_shard") if getattr(p, k) is not None})
+        if self.train.micro_batch is not None:
+            pinned["micro_batch"] = self.train.micro_batch
+        both = sorted(set(pinned) & set(fixed))
+        if both:
+            raise ConfigError(f"{both} set both in search.fixed and in the parallel/train sections; keep one.")
+        if pinned:
+            opts["fixed"] = {**fixed, **pinned}
+        try:
+            SearchOptions.parse(opts)
+        except StrategyError as e:
+            raise ConfigError(f"search: {e}") from e
+        return opts
+
     def full_strategy(self) -> list[Any]:
-        """``strategy`` with the ``parallel`` section's methods added (parallel_mode first).
+        """``strategy`` with the ``parallel`` section's methods added (parallel_mode first); ``"auto"`` as it is
+        for the strategy search (the job replaces it by the strategy the search chose).
 
         Raises:
             ConfigError: degrees below 1, or the ``parallel`` section used together with a
                 ``parallel_mode`` entry in ``strategy`` (two sources for the same degrees).
         """
         p = self.parallel
+        if self.is_auto:
+            return "auto"  # type: ignore[return-value]
         for k in ("tp", "pp", "dp_replicate", "dp_shard", "pp_microbatches"):
             v = getattr(p, k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -409,6 +462,8 @@ class TrainConfig:
         """
         from ..strategy.data_parallel import swap_ddp_for_fsdp
 
+        if self.is_auto:
+            return False
         return swap_ddp_for_fsdp(self.strategy, tensor_parallel=self.parallel.tp > 1)[1]
 
 

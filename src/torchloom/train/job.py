@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -109,6 +110,21 @@ class RecordingWindows(TokenWindows):
         return out
 
 
+SEARCHED_STRATEGY = "strategy.json"  # strategy: auto saves the chosen strategy here (output dir)
+
+
+class _LogToJob(logging.Handler):
+    """The search's progress (logger ``torchloom.search``) in the job's log (rank 0)."""
+
+    def __init__(self, job: "Job"):
+        super().__init__(logging.INFO)
+        self.job = job
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for line in record.getMessage().splitlines():
+            self.job.log(f"  {line}")
+
+
 # ------------------------------------------------------------------------------------------ job
 class Job:
     """One run of the training job on this rank (state shared by the loop, eval, checkpointing)."""
@@ -136,7 +152,6 @@ class Job:
 
         import torchloom
         from torchloom.parallel.distributed import init_distributed
-        from torchloom.strategy.strategy import Strategy
 
         from .corpus import prepare_corpus
         from .dataset import TokenWindows
@@ -191,23 +206,32 @@ class Job:
         from .metrics import flops_per_token
 
         self.flops_per_token = flops_per_token(self.n_matmul, cfg.model.num_layers, cfg.model.hidden_size, seq)
-        strategy = Strategy.parse(cfg.full_strategy())
         t = cfg.train
+        strategy, search = self.plan_strategy(cfg, lambda: build_model(cfg.model, c.vocab_size, c.eos_id, t.seed))
+        extra = {} if search is None else {"search": search}
+        if search is not None:
+            from torchloom.search.auto import model_signature
+
+            signature = model_signature(model)  # of the unchanged model, as a rerun's check computes it
         self.res = torchloom.auto_accelerate(
             model, adamw, self.train_ds, causal_lm_loss, strategy=strategy,
             optim_args={"lr": t.lr, "weight_decay": t.weight_decay, "betas": (t.beta1, t.beta2),
-                        "split_decay": "zero1" not in strategy, "optimizer": t.optimizer, "agd_delta": t.agd_delta,
-                        "wsam_rho": t.wsam_rho, "wsam_gamma": t.wsam_gamma},
-            dataloader_args={"batch_size": t.global_batch, "micro_batch_size": t.micro_batch,
+                        "split_decay": cfg.is_auto or "zero1" not in strategy, "optimizer": t.optimizer,
+                        "agd_delta": t.agd_delta, "wsam_rho": t.wsam_rho, "wsam_gamma": t.wsam_gamma},
+            dataloader_args={"batch_size": t.global_batch, "micro_batch_size": None if cfg.is_auto else t.micro_batch,
                              "num_workers": cfg.data.num_workers, "shuffle": True, "drop_last": True},
             model_input_format="unpack_dict",
             lr_scheduler_cls=LambdaLR,
             lr_scheduler_args={"lr_lambda": warmup_cosine(t.warmup, t.steps, t.min_lr_ratio)},
             max_grad_norm=t.max_grad_norm, seed=t.seed, check_replicas_every=t.check_replicas_every or None,
+            **extra,
         )
         res = self.res
         for note in res.notes:
             self.log(f"  {note}")
+        self.strategy_used = res.strategy.to_list(explicit_only=True) if cfg.is_auto else cfg.full_strategy()
+        if search is not None:
+            self.save_searched(res, signature, search)
         self.tokens_per_step = res.global_batch_size * seq
         self.log(f"model: LlamaForCausalLM, {self.n_params / 1e6:.2f}M parameters ({self.n_matmul / 1e6:.2f}M in "
                  f"matmuls), {self.flops_per_token / 1e6:.1f} MFLOP/token; global batch {res.global_batch_size} x "
@@ -226,6 +250,67 @@ class Job:
         self.peak_flops = float(pf_t.item())
         self.log(f"peak {self.peak_flops / 1e9:.1f} GFLOP/s per rank ({self.peak_flops_source})")
         self.mem = PeakMemory(self.device)
+
+    # -- strategy: auto ------------------------------------------------------------------------------
+    def plan_strategy(self, cfg: TrainConfig, make_model):
+        """``(strategy, search)`` for ``auto_accelerate``: the configured strategy and None; with ``strategy:
+        auto`` the plan file an earlier run of this output dir wrote (``strategy.json``: a resumed or repeated
+        run reuses it without searching, so the checkpoints match the strategy; ``auto_accelerate`` refuses it
+        for another model, world size, global batch or machine, naming the difference) and None, else
+        ``"auto"`` and the search options (the job's model factory for the confirming trials; zero1
+        excluded unless included: the job's optimizer has two parameter groups, which zero1 does not take).
+
+        Raises:
+            ConfigError: ``strategy: auto`` with checkpoints in the output dir but no saved plan (a new search
+                could choose a strategy the checkpoints were not written with).
+        """
+        from torchloom import checkpoint
+        from torchloom.strategy.strategy import Strategy
+
+        if not cfg.is_auto:
+            return Strategy.parse(cfg.full_strategy()), None
+        plan = self.out / SEARCHED_STRATEGY
+        seen = [(plan.exists(), checkpoint.latest_complete(self.ckpt_root)) if self.rank == 0 else None]
+        dist.broadcast_object_list(seen, src=0)  # rank 0 decides: every rank searches, or none does
+        has_plan, latest = seen[0]
+        if has_plan:
+            self.log(f"strategy: auto -> {plan} (searched by an earlier run of this output dir; no new search; "
+                     "delete it to search again)")
+            return str(plan), None
+        if latest is not None:
+            raise ConfigError(f"strategy: auto with checkpoints in {self.ckpt_root} but no searched plan "
+                              f"({plan}): a new search could choose another strategy than the checkpoints were "
+                              "written with. Pass the strategy they were trained with (--set strategy=[...]) or "
+                              "use a new output dir.")
+        search = cfg.search_options()
+        if "zero1" not in (search.get("include") or ()):
+            search["exclude"] = sorted({*(search.get("exclude") or ()), "zero1"})
+        self.log(f"strategy: auto -> searching (options {search}; trials train fresh build_model() copies)")
+        search["model_factory"] = make_model
+        self._search_log = _LogToJob(self)
+        logger = logging.getLogger("torchloom.search")
+        logger.addHandler(self._search_log)
+        logger.setLevel(logging.INFO)
+        return "auto", search
+
+    def save_searched(self, res, signature: str, search: dict) -> None:
+        """Print the strategy the search chose and save it as a plan file (``strategy.json`` in the output dir:
+        the strategy, its batch split, the predictions and trials; a rerun reuses it) on rank 0."""
+        from torchloom.search.auto import machine_fingerprint
+        from torchloom.search.options import SearchOptions
+        from torchloom.search.plan_file import save_plan
+
+        logging.getLogger("torchloom.search").removeHandler(self._search_log)
+        chosen = res.search.chosen
+        self.log(f"strategy: auto chose {chosen.label()} ({res.search.chosen_by}): "
+                 f"{res.strategy.to_list(explicit_only=True)}")
+        machine = machine_fingerprint()
+        if self.rank != 0:
+            return
+        path = save_plan(self.out / SEARCHED_STRATEGY, res.search,
+                         model={"signature": signature, "name": type(res.model).__name__}, machine=machine,
+                         options=SearchOptions.parse(search).cache_dict())
+        self.log(f"  saved to {path} (a rerun of this output dir reuses it)")
 
     # -- evaluation -----------------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -502,7 +587,7 @@ class Job:
             "train_time_s": self.train_time, "this_run": {k: run[k] for k in ("start_step", "tokens", "time_s")},
             "tokens_seen": self.tokens_seen, "tokens_per_s": run["tokens_per_s"], "mfu": run["mfu"],
             "peak_mem_bytes": run["peak_mem_bytes"], "peak_flops": self.peak_flops,
-            "peak_flops_source": self.peak_flops_source, "world_size": self.world, "strategy": cfg.full_strategy(),
+            "peak_flops_source": self.peak_flops_source, "world_size": self.world, "strategy": self.strategy_used,
             "params": self.n_params, "tokens_per_step": self.tokens_per_step, "sample": sample,
             "weights": str(weights), "checkpoints": str(self.ckpt_root),
             "restarts": self.attempt,
