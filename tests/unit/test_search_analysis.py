@@ -156,7 +156,8 @@ def test_user_module():
     assert info.blocks[0].bwd.matmul_flops == 2 * info.blocks[0].fwd.matmul_flops
     # the input layer needs no input gradient: only its weight gradient
     assert info.rest.bwd.matmul_flops == 2 * t * 8 * d + 2 * 2 * t * d * 2
-    assert any("first sample" in n for n in info.notes)
+    assert [n for n in info.notes if "first sample" in n] == [
+        "sample_input has batch size 4: analysed its first sample (every quantity is per sample)."]  # once
     assert info.family is None and info.dims == {}
     # saved per block: x (fc1 input), relu output (fc2 input and relu mask share it): t*(d + 4d) fp32
     assert info.blocks[0].act_bytes["float32"] == t * (d + 4 * d) * 4

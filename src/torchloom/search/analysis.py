@@ -156,6 +156,10 @@ class _Analysis:
 
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
 
+    def _note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
     # -- parameters ---------------------------------------------------------------------------------------
     def run(self) -> ModelInfo:
         model = self.model
@@ -165,8 +169,8 @@ class _Analysis:
         block_ids = {id(p) for g in groups for m in g.modules for p in m.parameters()}
         rest_params = [p for p in params.values() if id(p) not in block_ids]
         if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-            self.notes.append("the model has gradient checkpointing enabled: the traced activations are what "
-                              "checkpointing keeps, not the full ones (disable it before planning).")
+            self._note("the model has gradient checkpointing enabled: the traced activations are what "
+                       "checkpointing keeps, not the full ones (disable it before planning).")
         with self._train_mode(), self.mode:
             self.fake = self._fake_state()
             self._capture(groups)
@@ -259,8 +263,8 @@ class _Analysis:
         sizes = {t.shape[0] for t in leaves}
         cut = len(sizes) == 1 and next(iter(sizes)) > 1
         if cut:
-            self.notes.append(f"sample_input has batch size {next(iter(sizes))}: analysed its first sample "
-                              "(every quantity is per sample).")
+            self._note(f"sample_input has batch size {next(iter(sizes))}: analysed its first sample "
+                       "(every quantity is per sample).")
 
         def fake(t):
             if not isinstance(t, torch.Tensor):
@@ -284,9 +288,8 @@ class _Analysis:
         if first is None:
             raise ValueError(f"{type(self.model).__name__}'s output has no loss and no floating tensor; pass "
                              "loss_func(batch, output).")
-        note = "no loss_func and no output.loss: the loss is output.sum() (a stand-in; pass loss_func for the real one)."
-        if note not in self.notes:
-            self.notes.append(note)
+        self._note("no loss_func and no output.loss: the loss is output.sum() (a stand-in; pass loss_func for "
+                   "the real one).")
         return first.float().sum()
 
     def _run_model(self, stubs: dict[int, Callable]):
@@ -426,7 +429,7 @@ class _Analysis:
             _clear_grads(state_list)
         rec = res["float32"]["rec"]
         if rec.unshaped_flops() or any(g.traced["float32"]["rec"].unshaped_flops() for g in groups):
-            self.notes.append("some FLOPs come from ops without a GEMM shape rule (counted in matmul_flops only).")
+            self._note("some FLOPs come from ops without a GEMM shape rule (counted in matmul_flops only).")
         tokens_in = self._input_bytes()
         return PartInfo(
             name="rest", count=1, params=sum(p.numel() for p in rest_params),
