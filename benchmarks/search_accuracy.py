@@ -134,11 +134,13 @@ def accelerate_args(cand) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- measure
-def run_grid(jobs: list[tuple[str, dict]], steps: int, warmup: int, rounds: int, log_path: str) -> list[dict]:
+def run_grid(jobs: list[tuple[str, dict]], steps: int, warmup: int, rounds: int, log_path: str,
+             meta: dict | None = None) -> list[dict]:
     """On every rank: for each round, for each ``(model, candidate dict)``: a fresh model, the candidate's
     strategy through ``auto_accelerate``, :func:`measure_steps`, then the trial's groups torn down. A
-    failing candidate is recorded (``error``), never fatal. Rank 0 appends each row to ``log_path`` as it
-    goes (a crash keeps what was measured)."""
+    failing candidate is recorded (``error``), never fatal. Rank 0 appends each row to ``log_path`` and
+    rewrites the result files (marked ``"partial": true``) as it goes, so a crash, or a reader that cannot
+    wait, keeps what was measured."""
     import torch
     import torch.distributed as dist
 
@@ -182,6 +184,8 @@ def run_grid(jobs: list[tuple[str, dict]], steps: int, warmup: int, rounds: int,
             if rank == 0:
                 with open(log_path, "a") as f:
                     f.write(json.dumps(row) + "\n")
+                if meta is not None:
+                    write_results(rows, {**meta, "partial": True, "loadavg_after": os.getloadavg()})
                 status = row.get("error") or (f"{row['step_time_s'] * 1e3:8.1f} ms  "
                                               f"{row['peak_memory_bytes'] / 2**20:7.1f} MiB")
                 print(f"[w{dist.get_world_size()} r{r}] {model_name:9} {row['label']:42} {status}", flush=True)
@@ -228,28 +232,40 @@ def measure(models: list[str], worlds: list[int], quick: bool, steps: int, warmu
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // w))}
         os.environ.update(env)
         load_before, t0 = os.getloadavg(), time.time()
+        meta = {"world_size": w, "models": models, "steps": steps, "warmup": warmup, "rounds": rounds,
+                "quick": quick, "omp_num_threads": int(env["OMP_NUM_THREADS"]), "machine": machine(),
+                "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "loadavg_before": load_before,
+                "command": " ".join(["benchmarks/search_accuracy.py", *sys.argv[1:]])}
         print(f"world {w}: {len(jobs)} candidates x {rounds} round(s), {steps} steps after {warmup} warm-up, "
               f"load {load_before[0]:.2f}", flush=True)
         error = ""
         try:
-            rows = run_ranks(run_grid, w, jobs, steps, warmup, rounds, str(log_path), timeout=3600, env=env)[0]
+            rows = run_ranks(run_grid, w, jobs, steps, warmup, rounds, str(log_path), meta, timeout=3600, env=env)[0]
         except RuntimeError as e:  # keep what rank 0 logged before the launch failed
             error = str(e)[-2000:]
             print(f"world {w}: launch failed, keeping the logged rows: {error}", file=sys.stderr)
             rows = [json.loads(ln) for ln in log_path.read_text().splitlines()] if log_path.exists() else []
-        meta = {"world_size": w, "steps": steps, "warmup": warmup, "rounds": rounds, "quick": quick,
-                "omp_num_threads": int(env["OMP_NUM_THREADS"]), "machine": machine(),
-                "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "wall_s": time.time() - t0,
-                "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "launch_error": error,
-                "command": " ".join(["benchmarks/search_accuracy.py", *sys.argv[1:]])}
-        for m in models:
-            mine = [r for r in rows if r["model"] == m]
-            out = {"model": m, "model_config": _model_config_dict(m), "global_batch": MODELS[m]["global_batch"],
-                   **meta, "candidates": _merge_rounds(mine)}
-            path = RESULTS / f"search_grid_{m}_w{w}.json"
-            path.write_text(json.dumps(out, indent=1))
+        meta.update(wall_s=time.time() - t0, loadavg_after=os.getloadavg(), launch_error=error, partial=False)
+        for path in write_results(rows, meta):
             print(f"wrote {path.relative_to(ROOT)}", flush=True)
         log_path.unlink(missing_ok=True)
+
+
+def write_results(rows: list[dict], meta: dict) -> list[Path]:
+    """Write ``search_grid_<model>_w<N>.json`` for every model of ``meta["models"]`` from ``rows``."""
+    paths = []
+    for m in meta["models"]:
+        mine = [r for r in rows if r["model"] == m]
+        if not mine and meta.get("partial"):
+            continue  # not reached yet: keep an older complete file
+        out = {"model": m, "model_config": _model_config_dict(m), "global_batch": MODELS[m]["global_batch"],
+               **{k: v for k, v in meta.items() if k != "models"}, "candidates": _merge_rounds(mine)}
+        path = RESULTS / f"search_grid_{m}_w{meta['world_size']}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.replace(path)  # readers never see a half-written file
+        paths.append(path)
+    return paths
 
 
 def _model_config_dict(name: str) -> dict:

@@ -118,3 +118,47 @@ def test_model_state_bytes_counts_shared_storage_once():
     r = R()
     r.model, r.optimizer = model, torch.optim.SGD(model.parameters(), lr=0.1)
     assert model_state_bytes(r) == {"params": 64, "grads": 0, "optimizer": 0}
+
+
+def test_ddp_gradient_buckets_are_counted_from_the_start_of_the_step():
+    # DDP (gradient_as_bucket_view) keeps its gradient buckets (P bytes, allocated in C++ before the tracked
+    # step) between steps; MemTracker sees a bucket only when the first gradient lands in it, after this
+    # model's peak (start of backward). The DDP peak is the plain peak + P exactly; uncorrected it would
+    # equal the plain peak.
+    def peak(strategy):
+        torch.manual_seed(0)
+        L, h, B = 6, 64, 2048
+        model = nn.Sequential(*[m for _ in range(L) for m in (nn.Linear(h, h, bias=False), nn.ReLU())])
+        res = torchloom.auto_accelerate(model, torch.optim.AdamW, None, lambda b, o: o.pow(2).mean(),
+                                        strategy=strategy, optim_args={"lr": 1e-3, "foreach": False},
+                                        dataloader_args={"batch_size": B})
+        return measure_steps(res, [torch.randn(B, h)], steps=1, warmup=1), sum(p.numel() for p in model.parameters()) * 4
+
+    plain, P = peak(None)
+    ddp, _ = peak(["ddp"])
+    assert ddp.peak_memory_bytes == plain.peak_memory_bytes + P
+    assert ddp.memory["grads"] == P + plain.memory.get("grads", 0)
+    assert ddp.memory_method == "memtracker+ddp_buckets"
+
+
+def test_tracker_accepts_a_root_module_run_twice_in_one_step():
+    # a pipeline stage runs forward once per micro-batch within one train_step; PyTorch's MemTracker
+    # raises NotImplementedError for the second call of a root module, measure's tracker restarts its stats.
+    # Two micro-batches of B x 256 fp32 (A bytes each) kept for backward at once: peak >= 2 A + weights.
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def step(tracker_cls):
+        torch.manual_seed(0)
+        model = nn.Linear(256, 256, bias=False)
+        x = [torch.randn(512, 256), torch.randn(512, 256)]
+        t = tracker_cls()
+        t.track_external(model)
+        with t:
+            losses = [model(xi).relu().sum() for xi in x]
+            sum(losses).backward()
+        return max(v["Total"] for v in t.get_tracker_snapshot("peak").values())
+
+    with pytest.raises(NotImplementedError, match="multiple iterative calls"):
+        step(MemTracker)
+    A, W = 512 * 256 * 4, 256 * 256 * 4
+    assert step(measure_mod._repeatable_tracker_class()) >= 2 * A + W

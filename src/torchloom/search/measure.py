@@ -19,8 +19,9 @@ Peak memory, per rank, then the maximum over ranks:
   temporaries, optimizer state, FSDP's gathered parameters, freed by ``resize_(0)``) plus the parameters,
   buffers and optimizer state that exist before it. It does not count memory outside tensors (the
   ~0.5 GiB PyTorch runtime, RSS fragmentation) nor buffers allocated in C++ before the step without a
-  Python-visible tensor (DDP's gradient buckets, gloo's scratch): what the planner's per-rank memory
-  categories predict is the tensor part, so that is what is compared.
+  Python-visible tensor (gloo's scratch) — except DDP's gradient buckets, which are added as ``grads``
+  (their bytes minus the gradients the tracker saw in them at the peak; see :func:`_ddp_bucket_bytes`).
+  What the planner's per-rank memory categories predict is the tensor part, so that is what is compared.
 """
 from __future__ import annotations
 
@@ -208,7 +209,29 @@ def _tracked_step(res, calls: _Calls) -> tuple[int, dict[str, int], str]:
             continue
         cat = _CATEGORY.get(name, _fsdp_category(name))
         categories[cat] = categories.get(cat, 0) + int(nbytes)
-    return int(dsnap.get("Total", sum(categories.values()))), categories, method
+    peak = int(dsnap.get("Total", sum(categories.values())))
+    missed = _ddp_bucket_bytes(parts, categories.get("grads", 0))
+    if missed:
+        categories["grads"] = categories.get("grads", 0) + missed
+        peak += missed
+        method += "+ddp_buckets"
+    return peak, categories, method
+
+
+def _ddp_bucket_bytes(parts: list[nn.Module], grads_seen: int) -> int:
+    """Bytes of DDP's gradient buckets the tracker did not see at the peak. DDP allocates them in C++ once
+    (before the tracked step) and keeps them between steps; the tracker only learns of a bucket when the
+    first gradient lands in it (``gradient_as_bucket_view``: the gradients are views of the buckets), so
+    at a peak early in backward they are missing. Bucket bytes = the bytes of the parameters that require
+    grad; with bucket views the gradients seen at the peak are already part of them."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    total, views = 0, False
+    for part in parts:
+        if isinstance(part, DistributedDataParallel):
+            total += sum(p.numel() * p.element_size() for p in part.parameters() if p.requires_grad)
+            views = views or bool(getattr(part, "gradient_as_bucket_view", False))
+    return max(0, total - grads_seen) if views else total
 
 
 @functools.lru_cache(maxsize=1)
