@@ -51,7 +51,8 @@ class ActivationCheckpoint(Method):
     def estimate(self, info, dims, hw, step):
         """The checkpointed blocks (``blocks[::every_k]`` of the rank's model parts: its pipeline stages)
         keep only their input instead of their activations, and run their forward again in backward; while
-        one of them is backpropagated its activations exist again (one block's worth, transient)."""
+        one of them is backpropagated its activations exist again: the transient peak becomes the larger
+        of the baseline's (loss/head temporaries) and one recomputed block's activations and transient."""
         from ..search.effects import Effects, activation_bytes, blocks_per_rank, dtype_bytes
 
         nb = blocks_per_rank(info, dims)
@@ -67,7 +68,12 @@ class ActivationCheckpoint(Method):
         e = Effects(self.name, recompute_fraction=f)
         if blocks + rest > 0:
             e.memory_scale["activations"] = (kept + rest) / (blocks + rest)
-            e.memory_add["temporary"] = blocks / max(info.num_blocks, 1) / max(dims.tp, 1)
+            # the transient peak is the larger of the loss/head temporaries (the baseline's) and one block
+            # being backpropagated: its recomputed activations plus its own transient
+            base = max((p.peak_extra_bytes for p in info.parts), default=0.0) * scale
+            widest = max((p.peak_extra_bytes for p in info.blocks), default=0.0) * scale
+            recomputed = (blocks / max(info.num_blocks, 1) + widest) / max(dims.tp, 1)
+            e.memory_add["temporary"] = max(0.0, recomputed - base)
         return e
 
     @classmethod

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..parallel.dims import spans_nodes  # noqa: F401  (re-exported: the node-span rule the cost model uses)
 from ..strategy.registry import resolve_name
 from .candidate import Candidate, Prediction, StepShape
 from .effects import DTYPE_BYTES, MEMORY, Collective, Effects, PipelineShape, StageLoad
@@ -294,22 +295,6 @@ def _optimizer_time(mem: dict[str, float], step: StepShape, hw: Hardware) -> flo
 def view_degree(dims, view: str) -> int:
     """Group size of a mesh view (``dp`` = dp_replicate x dp_shard)."""
     return dims.dp if view == "dp" else getattr(dims, view)
-
-
-def spans_nodes(dims, view: str, ranks_per_node: int) -> bool:
-    """Whether some group of ``view`` has ranks on more than one node, for the mesh order pp, dp_replicate,
-    dp_shard, ep, tp (tp innermost; consecutive global ranks fill a node). A group of degree ``g`` whose ranks
-    are ``stride`` apart (the product of the inner degrees) lies in an aligned block of ``stride * g`` ranks:
-    every such block fits in a node iff ``stride * g`` divides ``ranks_per_node``."""
-    g = view_degree(dims, view)
-    if g <= 1:
-        return False
-    inner = _ORDER[_ORDER.index("dp_shard" if view == "dp" else view) + 1:]
-    block = math.prod(getattr(dims, d) for d in inner) * g
-    return block > ranks_per_node or ranks_per_node % block != 0
-
-
-_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
 
 
 def _exposed(collectives: list[tuple[str, Collective]], dims, hw: Hardware,
