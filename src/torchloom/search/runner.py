@@ -131,9 +131,11 @@ def run_trials(
         sample_batch: with ``dataset=None``: one batch (tensors, or dicts/tuples of tensors, samples on dim 0)
             repeated or cut to the candidate's per-rank micro-batch (ATorch's ``sample_batch``).
         steps / warmup: measured and unmeasured optimizer steps per trial (``steps >= 1``).
-        time_budget_s: per trial; once exceeded (checked after each step) the trial stops with the steps
+        time_budget_s: per trial, seconds; checked between steps (the measured steps run in blocks sized to
+            what the budget leaves at the step time seen so far): once spent the trial stops with the steps
             measured so far (status ``"timeout"``).
-        total_time_s: for all trials together; candidates not started when it is spent are ``"skipped"``.
+        total_time_s: for all trials together; a trial's budget is capped by what it leaves, and candidates
+            not started when it is spent are ``"skipped"``.
         measure_memory: measure the peak memory in one extra, untimed step (CPU) or over the measured steps
             (CUDA).
         on_result: ``on_result(index, total, result)`` after each trial on every rank (progress display).
@@ -160,11 +162,14 @@ def run_trials(
     t0 = time.perf_counter()
     out: list[TrialResult] = []
     for i, cand in enumerate(candidates):
-        spent = _agree([0, 0, float(total_time_s is not None and time.perf_counter() - t0 > total_time_s), 0])[2]
-        if spent:
+        elapsed = _agree([time.perf_counter() - t0])[0]  # the slowest rank's clock: every rank decides alike
+        if total_time_s is not None and elapsed >= total_time_s:
             res = TrialResult(cand, "skipped", error=f"total time limit of {total_time_s:g} s spent before it started")
         else:
-            res = _run_one(cand, factory, recipe, sample_batch, steps, warmup, time_budget_s, measure_memory)
+            budget = time_budget_s
+            if total_time_s is not None:  # a trial never runs past what the whole limit leaves
+                budget = min(math.inf if budget is None else budget, total_time_s - elapsed)
+            res = _run_one(cand, factory, recipe, sample_batch, steps, warmup, budget, measure_memory)
         out.append(res)
         if dist.get_rank() == 0:
             log.info("trial %d/%d %s: %s", i + 1, len(candidates), cand.label(), describe(res))
