@@ -185,7 +185,7 @@ def run_auto(model: str, world: int, best: dict | None, time_limit_s: float) -> 
 
 
 # ---------------------------------------------------------------------------------------------- outputs
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, subtitle: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,15 +213,21 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_xlabel(f"measured {title} ({unit})")
         ax.set_ylabel(f"predicted {title} ({unit})")
-        ax.set_title(f"{title}: predicted vs measured (dotted: ±10%)")
+        ax.set_title(f"{title} (solid: equal, dotted: ±10%)", fontsize=10)
         ax.grid(True, which="both", lw=0.3)
     handles = [plt.Line2D([], [], ls="", marker="o", color=c, label=f"{w} processes") for w, c in colours.items()]
     handles += [plt.Line2D([], [], ls="", marker=mk, color="k", label=m) for m, mk in markers.items()]
     axes[0].legend(handles=handles, loc="upper left", fontsize=8)
+    fig.suptitle(f"torchloom planner: predicted vs measured per candidate{subtitle}", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _code(label: str) -> str:
+    """A label as inline code in a table cell (its ``|`` escaped so the table keeps its columns)."""
+    return "`" + str(label).replace("|", "\\|") + "`"
 
 
 def _pct(x) -> str:
@@ -249,8 +255,8 @@ def render(summary: dict) -> str:
          "measure_steps`, the function the search's confirming trials use) after warm-up steps.",
          "- Peak memory per rank: the peak of live tensor bytes during one extra, untimed step (PyTorch "
          "`MemTracker`; parameters, gradients, optimizer state, activations, temporaries, FSDP's gathered "
-         "parameters), the largest rank. Not counted: the ~0.5 GiB PyTorch runtime, allocator fragmentation, "
-         "buffers allocated in C++ before the step (DDP's gradient buckets, gloo scratch).",
+         "parameters; DDP's gradient buckets, allocated in C++, added), the largest rank. Not counted: the "
+         "~0.5 GiB PyTorch runtime, allocator fragmentation, gloo's scratch buffers.",
          "- Models: " + "; ".join(f"`{m}`: {d['desc']}" for m, d in summary["models"].items()) + ".",
          "- Each process runs `OMP_NUM_THREADS = max(1, 2 // nproc)` threads, as `loom run` sets; on 4 "
          "processes the 2 cores are shared.", "",
@@ -270,7 +276,7 @@ def render(summary: dict) -> str:
         ok = "✓" if m["predicted_best_ok"] else "✗"
         L.append(f"| {g['model']} | {g['world']} | {m['n']} | {_pct(m['time_median_ape'])} | "
                  f"{_pct(m['time_max_ape'])} | {_num(m['time_spearman'])} | {_pct(m['mem_median_ape'])} | "
-                 f"{_pct(m['mem_max_ape'])} | `{m['measured_best']}` | `{m['predicted_best']}` "
+                 f"{_pct(m['mem_max_ape'])} | {_code(m['measured_best'])} | {_code(m['predicted_best'])} "
                  f"({m['predicted_best_gap'] * 100:+.1f}% {ok}) |")
     o = summary["overall"]
     if o.get("n"):
@@ -292,8 +298,8 @@ def render(summary: dict) -> str:
                 continue
             best_ms = "–" if a.get("best_measured_s") is None else f"{a['best_measured_s'] * 1e3:.1f}"
             regret = _pct(a["regret"] * 100) if "regret" in a else "–"
-            L.append(f"| {a['model']} | {a['world']} | {a['search_wall_s']:.1f} | `{a['chosen_label']}` "
-                     f"({a['chosen_by']}) | {a['chosen_measured_s'] * 1e3:.1f} | `{a.get('best_label', '–')}` | "
+            L.append(f"| {a['model']} | {a['world']} | {a['search_wall_s']:.1f} | {_code(a['chosen_label'])} "
+                     f"({a['chosen_by']}) | {a['chosen_measured_s'] * 1e3:.1f} | {_code(a.get('best_label', '–'))} | "
                      f"{best_ms} | {regret} |")
     for g in summary["groups"]:
         L += ["", f"### {g['model']}, {g['world']} processes", "",
@@ -301,11 +307,11 @@ def render(summary: dict) -> str:
               "|---|---|---|---|---|---|---|"]
         for r in sorted(g["rows"], key=lambda r: r.get("measured_s") or float("inf")):
             if r.get("error") or not r.get("measured_s"):
-                L.append(f"| `{r['label']}` | failed: {str(r.get('error'))[:120]} | | | | | |")
+                L.append(f"| {_code(r['label'])} | failed: {str(r.get('error'))[:120]} | | | | | |")
                 continue
             ps, pm = r.get("predicted_s"), r.get("predicted_mem")
             mm = r.get("measured_mem", -1)
-            L.append(f"| `{r['label']}` | {r['measured_s'] * 1e3:.1f} | "
+            L.append(f"| {_code(r['label'])} | {r['measured_s'] * 1e3:.1f} | "
                      f"{'–' if ps is None else f'{ps * 1e3:.1f}'} | "
                      f"{'–' if ps is None else _pct(ape(ps, r['measured_s']))} | "
                      f"{'–' if mm <= 0 else f'{mm / 2**20:.1f}'} | {'–' if pm is None else f'{pm / 2**20:.1f}'} | "
@@ -357,7 +363,7 @@ def report(models: list[str], worlds: list[int], auto: bool = True, quick: bool 
         "groups": groups, "overall": overall, "auto": auto_rows, "quick": quick,
     }
     (RESULTS / "search_accuracy.json").write_text(json.dumps(summary, indent=1, default=str))
-    plot(all_rows, PNG)
+    plot(all_rows, PNG, f" ({summary['machine']['cpu']}, {summary['date_utc'][:10]}, load {summary['load']})")
     DOC.write_text(render(summary))
     print(render(summary))
     print(f"wrote {DOC.relative_to(ROOT)}, {PNG.relative_to(ROOT)}, "

@@ -15,9 +15,11 @@ Models (global batch fixed per model, AdamW, random tokens, ``labels = input_ids
   untied embeddings: 27.7 M parameters; sequence 128, global batch 4.
 
 Grid per world size (2 and 4 processes; ``OMP_NUM_THREADS = max(1, 2 // nproc)`` as ``loom run`` sets):
-DDP, ZeRO-1, ZeRO-2, ZeRO-3, TP, PP (1F1B), and on 4 processes dp2 x tp2 (FSDP 2-D), dp2 x pp2 (DDP),
-tp2 x pp2; each with and without activation checkpointing of every block; bf16 autocast for a few. One
-launch per world size runs every candidate of both models in turn (``--rounds`` repeats the whole grid,
+DDP, ZeRO-1, ZeRO-2, ZeRO-3, TP, PP (1F1B, 2 x pp micro-batches where the batch allows), and on 4 processes
+dp2 x tp2 (FSDP 2-D), dp2 x pp2 (DDP), tp2 x pp2; with and without activation checkpointing of every block
+(the larger model: DDP, ZeRO-3, TP and PP only), bf16 autocast for DDP and ZeRO-3 (default model). Default
+model: 5 timed steps after 2 warm-up; llama25m: 3 after 1. One launch per world size runs every
+candidate of both models in turn (``--rounds`` repeats the whole grid,
 interleaved, and keeps the median). Time and memory come from :func:`torchloom.search.measure.measure_steps`
 (the same function the search's confirming trials use): median step time of the slowest rank; peak of live
 tensor bytes during one extra, untimed step (MemTracker), max over ranks.
@@ -41,12 +43,13 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# steps: (timed, warm-up) per candidate (the larger model's steps are ~6x longer)
 MODELS = {
-    "default": {"config": None, "global_batch": 16},  # None: train/configs/default.yaml's model
+    "default": {"config": None, "global_batch": 16, "steps": (5, 2)},  # None: train/configs/default.yaml's
     "llama25m": {"config": {"vocab_size": 8192, "hidden_size": 512, "num_layers": 6, "num_heads": 8,
                             "num_kv_heads": 8, "intermediate_size": 1408, "seq_len": 128,
                             "tie_embeddings": False, "rope_theta": 10000.0},
-                 "global_batch": 4},
+                 "global_batch": 4, "steps": (3, 1)},
 }
 
 
@@ -87,41 +90,45 @@ def grid(model: str, world: int, quick: bool = False) -> list:
     """
     from torchloom.parallel.mesh import ParallelDims
     from torchloom.search.candidate import Candidate
+    from torchloom.search.space import dp_spec
 
     gb, seq = MODELS[model]["global_batch"], model_config(model).seq_len
-    ac = ("checkpoint", {"every_k": 1})
+    ac = ("checkpoint", {})  # every block
     amp = ("amp", {"dtype": "bfloat16"})
     out: list[Candidate] = []
 
-    def add(dims: dict, methods: list, extra: list[list] = ([],)) -> None:
+    def add(dims: dict, dp: str | None, tp: bool = False, extras: list[list] = ([],)) -> None:
+        """Items in the order (and spelling) the search's space enumerates them: data parallel, precision,
+        tensor parallel, pipeline, checkpointing."""
         d = ParallelDims(**dims)
         if d.pp * d.dp_replicate * d.dp_shard * d.tp * d.ep != world:
             return
         per_dp = gb // d.dp
+        mb, accum = per_dp, 1
         if d.pp > 1:
-            micro_count = min(2 * d.pp, per_dp)
-            pp = ("pipeline_parallel", {"schedule": "1f1b", "num_microbatches": micro_count})
-            base, mb, accum = [pp, *methods], per_dp // micro_count, micro_count
-        else:
-            base, mb, accum = list(methods), per_dp, 1
-        for x in extra:
-            out.append(Candidate(d, tuple((n, dict(c)) for n, c in [*base, *x]), mb, accum, seq))
+            accum = min(2 * d.pp, per_dp)
+            mb = per_dp // accum
+        for x in extras:
+            items = [i for i in (dp_spec(dp, d), *[e for e in x if e[0] == "amp"]) if i is not None]
+            items += [("tensor_parallel", {})] if tp else []
+            items += [("pipeline_parallel", {"schedule": "1f1b", "num_microbatches": accum})] if d.pp > 1 else []
+            items += [e for e in x if e[0] != "amp"]
+            out.append(Candidate(d, tuple((n, dict(c)) for n, c in items), mb, accum, seq))
 
     w = world
-    variants = [[], [ac]] if quick else [[], [ac], [amp]]
-    add({"dp_replicate": w}, [("ddp", {})], variants)
-    add({"dp_replicate": w}, [("ddp", {}), ("zero1", {})], [[]] if quick else [[], [ac]])
-    add({"dp_shard": w}, [("fsdp", {"reshard_after_forward": False})], [[]] if quick else [[], [ac]])
-    add({"dp_shard": w}, [("fsdp", {"reshard_after_forward": True})], variants)
-    add({"tp": w}, [("tensor_parallel", {})], [[], [ac]])
-    add({"pp": w}, [], [[], [ac]])
+    full = model == "default" and not quick  # the larger model runs ~6x slower per step: fewer twins
+    twins = [[], [ac], [amp]] if full else [[], [ac]]  # bf16 autocast for a few
+    ac_twin = [[], [ac]] if full else [[]]
+    add({"dp_replicate": w}, "ddp", extras=twins)
+    add({"dp_replicate": w}, "zero1", extras=ac_twin)
+    add({"dp_shard": w}, "zero2", extras=ac_twin)
+    add({"dp_shard": w}, "zero3", extras=twins)
+    add({"tp": w}, None, tp=True, extras=[[], [ac]])
+    add({"pp": w}, None, extras=[[], [ac]])
     if w == 4:
-        add({"dp_shard": 2, "tp": 2}, [("tensor_parallel", {}), ("fsdp", {"reshard_after_forward": True})],
-            [[]] if quick else [[], [ac]])
-        add({"pp": 2, "dp_replicate": 2}, [("ddp", {})], [[]] if quick else [[], [ac]])
-        add({"pp": 2, "tp": 2}, [("tensor_parallel", {})], [[]])
-    if model != "default":  # the larger model runs ~6x slower per step: no bf16 variants, fewer AC twins
-        out = [c for c in out if "amp" not in c.names]
+        add({"dp_shard": 2, "tp": 2}, "zero3", tp=True, extras=ac_twin)
+        add({"pp": 2, "dp_replicate": 2}, "ddp", extras=ac_twin)
+        add({"pp": 2, "tp": 2}, None, tp=True)
     return out
 
 
@@ -129,15 +136,16 @@ def accelerate_args(cand) -> dict:
     """``dataloader_args`` for ``auto_accelerate`` that reproduce the candidate's batch split: the global
     batch, and the per-call batch ``train_step`` takes (the whole per-rank batch under pipelining, which
     the schedule splits into ``grad_accum`` micro-batches)."""
-    per_call = cand.micro_batch * cand.grad_accum if cand.dims.pp > 1 else cand.micro_batch
-    return {"batch_size": cand.global_batch, "micro_batch_size": per_call}
+    from torchloom.search.plan_file import batch_args
+
+    return batch_args(cand)  # the rule the search's trials and plan files use
 
 
 # ---------------------------------------------------------------------------------------------- measure
-def run_grid(jobs: list[tuple[str, dict]], steps: int, warmup: int, rounds: int, log_path: str,
+def run_grid(jobs: list[tuple[str, dict, int, int]], rounds: int, log_path: str,
              meta: dict | None = None) -> list[dict]:
-    """On every rank: for each round, for each ``(model, candidate dict)``: a fresh model, the candidate's
-    strategy through ``auto_accelerate``, :func:`measure_steps`, then the trial's groups torn down. A
+    """On every rank: for each round, for each ``(model, candidate dict, steps, warmup)``: a fresh model, the
+    candidate's strategy through ``auto_accelerate``, :func:`measure_steps`, then the trial's groups torn down. A
     failing candidate is recorded (``error``), never fatal. Rank 0 appends each row to ``log_path`` and
     rewrites the result files (marked ``"partial": true``) as it goes, so a crash, or a reader that cannot
     wait, keeps what was measured."""
@@ -152,10 +160,11 @@ def run_grid(jobs: list[tuple[str, dict]], steps: int, warmup: int, rounds: int,
     rank = dist.get_rank()
     rows: list[dict] = []
     for r in range(rounds):
-        for model_name, cdict in jobs:
+        for model_name, cdict, steps, warmup in jobs:
             cand = Candidate.from_dict(cdict)
             state = _capture()
-            row = {"model": model_name, "candidate": cdict, "label": cand.label(), "round": r}
+            row = {"model": model_name, "candidate": cdict, "label": cand.label(), "round": r, "steps": steps,
+                   "warmup": warmup}
             t0 = time.perf_counter()
             try:
                 mc = model_config(model_name)
@@ -219,28 +228,35 @@ def machine() -> dict:
             "host": platform.node()}
 
 
-def measure(models: list[str], worlds: list[int], quick: bool, steps: int, warmup: int, rounds: int,
+def steps_for(model: str, quick: bool, steps: int | None, warmup: int | None) -> tuple[int, int]:
+    """(timed steps, warm-up steps) per candidate: the command line's, else the model's (quick: fewer)."""
+    s, w = MODELS[model]["steps"]
+    if quick:
+        s, w = max(2, s - 2), 1
+    return steps or s, w if warmup is None else warmup
+
+
+def measure(models: list[str], worlds: list[int], quick: bool, steps: int | None, warmup: int | None, rounds: int,
             only: list[str] | None = None) -> None:
     from torchloom.testing import run_ranks
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     for w in worlds:
-        jobs = [(m, c.to_dict()) for m in models for c in grid(m, w, quick)
+        jobs = [(m, c.to_dict(), *steps_for(m, quick, steps, warmup)) for m in models for c in grid(m, w, quick)
                 if not only or any(o in c.label() for o in only)]
         log_path = RESULTS / f".search_grid_w{w}.partial.jsonl"
         log_path.unlink(missing_ok=True)
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // w))}
         os.environ.update(env)
         load_before, t0 = os.getloadavg(), time.time()
-        meta = {"world_size": w, "models": models, "steps": steps, "warmup": warmup, "rounds": rounds,
+        meta = {"world_size": w, "models": models, "rounds": rounds,
                 "quick": quick, "omp_num_threads": int(env["OMP_NUM_THREADS"]), "machine": machine(),
                 "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "loadavg_before": load_before,
                 "command": " ".join(["benchmarks/search_accuracy.py", *sys.argv[1:]])}
-        print(f"world {w}: {len(jobs)} candidates x {rounds} round(s), {steps} steps after {warmup} warm-up, "
-              f"load {load_before[0]:.2f}", flush=True)
+        print(f"world {w}: {len(jobs)} candidates x {rounds} round(s), load {load_before[0]:.2f}", flush=True)
         error = ""
         try:
-            rows = run_ranks(run_grid, w, jobs, steps, warmup, rounds, str(log_path), meta, timeout=3600, env=env)[0]
+            rows = run_ranks(run_grid, w, jobs, rounds, str(log_path), meta, timeout=3600, env=env)[0]
         except RuntimeError as e:  # keep what rank 0 logged before the launch failed
             error = str(e)[-2000:]
             print(f"world {w}: launch failed, keeping the logged rows: {error}", file=sys.stderr)
@@ -259,6 +275,7 @@ def write_results(rows: list[dict], meta: dict) -> list[Path]:
         if not mine and meta.get("partial"):
             continue  # not reached yet: keep an older complete file
         out = {"model": m, "model_config": _model_config_dict(m), "global_batch": MODELS[m]["global_batch"],
+               "steps": mine[0]["steps"] if mine else None, "warmup": mine[0]["warmup"] if mine else None,
                **{k: v for k, v in meta.items() if k != "models"}, "candidates": _merge_rounds(mine)}
         path = RESULTS / f"search_grid_{m}_w{meta['world_size']}.json"
         tmp = path.with_suffix(".json.tmp")
@@ -306,8 +323,9 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--worlds", nargs="*", type=int, default=[2, 4])
     ap.add_argument("--quick", action="store_true", help="a smaller grid (no bf16, fewer checkpointing twins)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per candidate (default 5, quick 3)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2, quick 1)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed steps per candidate (default: default model 5, llama25m 3; quick: 2 fewer, >= 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2 / 1; quick 1)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat the grid, interleaved; median of rounds")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--measure-only", action="store_true", help="run the grid, write the JSON, stop")
@@ -315,11 +333,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="measure only candidates whose label contains one of these")
     ap.add_argument("--no-auto", action="store_true", help="skip the strategy='auto' search run")
     args = ap.parse_args()
-    steps = args.steps or (3 if args.quick else 5)
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     t0 = time.time()
     if not args.predict_only:
-        measure(args.models, args.worlds, args.quick, steps, warmup, args.rounds, args.only)
+        measure(args.models, args.worlds, args.quick, args.steps, args.warmup, args.rounds, args.only)
     if not args.measure_only:
         from _accuracy import report
 

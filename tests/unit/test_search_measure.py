@@ -132,7 +132,8 @@ def test_ddp_gradient_buckets_are_counted_from_the_start_of_the_step():
         res = torchloom.auto_accelerate(model, torch.optim.AdamW, None, lambda b, o: o.pow(2).mean(),
                                         strategy=strategy, optim_args={"lr": 1e-3, "foreach": False},
                                         dataloader_args={"batch_size": B})
-        return measure_steps(res, [torch.randn(B, h)], steps=1, warmup=1), sum(p.numel() for p in model.parameters()) * 4
+        P = sum(p.numel() for p in model.parameters()) * 4
+        return measure_steps(res, [torch.randn(B, h)], steps=1, warmup=1), P
 
     plain, P = peak(None)
     ddp, _ = peak(["ddp"])
