@@ -256,14 +256,16 @@ def measure(models: list[str], worlds: list[int], quick: bool, steps: int | None
         print(f"world {w}: {len(jobs)} candidates x {rounds} round(s), load {load_before[0]:.2f}", flush=True)
         error = ""
         try:
-            rows = run_ranks(run_grid, w, jobs, rounds, str(log_path), meta, timeout=3600, env=env)[0]
+            # a hung candidate must not stall the run for long: ~90 s a candidate in all, then the logged rows
+            budget = max(600.0, 90.0 * len(jobs) * rounds)
+            rows = run_ranks(run_grid, w, jobs, rounds, str(log_path), meta, timeout=budget, env=env)[0]
         except RuntimeError as e:  # keep what rank 0 logged before the launch failed
             error = str(e)[-2000:]
             print(f"world {w}: launch failed, keeping the logged rows: {error}", file=sys.stderr)
             rows = [json.loads(ln) for ln in log_path.read_text().splitlines()] if log_path.exists() else []
         meta.update(wall_s=time.time() - t0, loadavg_after=os.getloadavg(), launch_error=error, partial=False)
         for path in write_results(rows, meta):
-            print(f"wrote {path.relative_to(ROOT)}", flush=True)
+            print(f"wrote {path.relative_to(ROOT)} ({meta['wall_s']:.0f} s for {w} processes)", flush=True)
         log_path.unlink(missing_ok=True)
 
 
