@@ -71,9 +71,9 @@ class FSDP(Method):
         """FSDP2 per rank (each block one unit, the rest the root unit):
 
         * parameters, gradients and optimizer state 1/``dp_shard`` (HSDP replicates across ``dp_replicate``);
-        * transient: the gathered current and prefetched block in the compute dtype (ZeRO-2: every block of
-          the rank stays gathered from forward to backward), the root's gathered parameters (FSDP2 never
-          reshards the root after forward), one block's unsharded gradient in the reduce dtype;
+        * transient at the peak (backward starts): the last block gathered again in the compute dtype
+          (ZeRO-2: every block of the rank stays gathered from forward to backward) and the root's gathered
+          parameters (FSDP2 never reshards the root after forward);
         * per micro-batch, an all-gather per unit in forward (ZeRO-3: again per block in backward),
           prefetched behind the previous unit's compute except the first of each pass; per optimizer step
           a reduce-scatter per unit overlapping the backward except the last (HSDP: then an all-reduce of the
@@ -94,10 +94,13 @@ class FSDP(Method):
         total = rank_params(info, dims)
         rest = max(total - block * nb, 0.0)
         zero3 = c.reshard_after_forward
-        gathered = (min(nb, 2) if zero3 else nb) * block * cd  # current + prefetched
+        # at the peak (backward starts: all activations alive) ZeRO-3 holds the last block, gathered again
+        # for its backward, and the root; ZeRO-2 every block of the rank. The forward's current + prefetched
+        # pair and the backward's unsharded block gradient come when fewer activations are alive.
+        gathered = (min(nb, 1) if zero3 else nb) * block * cd
         e = Effects(self.name, memory_scale={k: 1.0 / n for k in ("params", "grads", "optimizer")},
                     ops_add=_FSDP_OPS_PER_UNIT)
-        e.memory_add["temporary"] = gathered + rest * cd + block * rd
+        e.memory_add["temporary"] = gathered + rest * cd
         e.grads_unsharded_accum = total * rd
         accum = step.grad_accum
         if n > 1:

@@ -90,8 +90,9 @@ class TensorParallel(Method):
 
         * matmul FLOPs, parameters, gradients and optimizer state 1/tp (norms replicated, ignored);
         * activations of a block: ``(10 + 24/t + 5as/(ht)) / (34 + 5as/h)`` of the unsharded ones
-          (Korthikanti et al. 2022, eqs. 1-2: LayerNorm inputs, dropout masks and the residual are
-          replicated), ``1/t`` with sequence parallel; the logits 1/t under loss_parallel, else gathered;
+          (Korthikanti et al. 2022, eqs. 1-2: norm inputs and outputs, dropout masks are replicated; the
+          score term only for eager attention), ``1/t`` with sequence parallel; the logits 1/t under
+          loss_parallel, else gathered;
         * memory-bound bytes: the same replicated share (``0.3 + 0.7/t``), ``1/t`` with sequence parallel;
         * per block, on the critical path: 2 all-reduces of the hidden state in forward and 2 in backward
           (sequence parallel: as many all-gathers plus reduce-scatters of the same tensor); the vocabulary-
@@ -107,7 +108,10 @@ class TensorParallel(Method):
             return None
         sp, lp = "sequence_parallel" in step.methods, "loss_parallel" in step.methods
         h, a = info.dims.get("hidden_size", 0), info.dims.get("num_heads", 0)
-        att = 5.0 * a * step.seq_len / h if h and a else 0.0
+        # the attention-score term only where attention materialises its scores (eager); SDPA keeps none
+        cfg = getattr(info.module, "config", None)
+        eager = getattr(cfg, "_attn_implementation", "sdpa") == "eager"
+        att = 5.0 * a * step.seq_len / h if h and a and eager else 0.0
         blk = 1.0 / t if sp else (10 + 24 / t + att / t) / (34 + att)
         blocks, rest = activation_bytes(info, step)
         rest_scale = 1.0 / t if lp else 1.0
