@@ -53,7 +53,7 @@ def real_run(steps: int = 3) -> dict:
 def candidates() -> list[Candidate]:
     c = lambda dims, methods, mb=2, accum=2: Candidate(dims, tuple(methods), mb, accum, SEQ)  # noqa: E731
     return [
-        c(ParallelDims(dp_replicate=2), [("ddp", {})], mb=4, accum=1),                # DDP x2
+        c(ParallelDims(dp_replicate=2), [("ddp", {})]),                              # DDP x2, accumulation 2
         c(ParallelDims(dp_shard=2), [("fsdp", {})], mb=4, accum=1),                  # ZeRO-3 x2
         c(ParallelDims(tp=2), [("tensor_parallel", {})], mb=8, accum=1),              # TP x2
         c(ParallelDims(dp_shard=2), [("fsdp", {"reshard_after_forward": "sometimes"})]),  # invalid config

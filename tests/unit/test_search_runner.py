@@ -53,7 +53,7 @@ def test_failing_and_oom_candidates_recorded_others_measured(group):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return out.loss
 
-    got = trials([cand(), cand([("fsdp", {"bogus": 1})]), cand(mb=8), cand([("checkpoint", {})], mb=2)],
+    got = trials([cand(), cand([("fsdp", {"bogus": 1})]), cand(mb=8), cand([("checkpoint", {})], mb=2, accum=2)],
                  loss_func=loss)
     assert [r.status for r in got] == ["ok", "error", "oom", "ok"], [(r.status, r.error) for r in got]
     assert "bogus" in got[1].error and got[1].error.startswith("rank 0: StrategyError"), got[1].error
