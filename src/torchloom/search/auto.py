@@ -69,6 +69,10 @@ def resolve(model: nn.Module, strategy: Any, search: dict | SearchOptions | None
     if strategy != "auto":
         strat, plan = read_plan(strategy)
         if plan is None:
+            if search is not None:
+                raise StrategyError(f"search=... options are read only with strategy='auto' or a plan file; "
+                                    f"'{strategy}' is a plain strategy file (no 'plan' section). Drop search= or "
+                                    "pass strategy='auto'.")
             return Resolved(strat, loader_args)
         diffs = plan.differences(model=model_signature(model), world_size=world,
                                  global_batch=loader_args.get("batch_size"), machine=machine_fingerprint())
@@ -128,7 +132,7 @@ def _search(model, options: SearchOptions, loader_args: dict, world: int, recipe
         box = [None if hit is None else (str(hit[0]), hit[1].to_dict(), hit[2].search)]
     dist.broadcast_object_list(box, src=0)
     notes = []
-    if user_micro is not None:
+    if user_micro is not None and "micro_batch" not in options.fixed:
         notes.append(f"search: dataloader_args micro_batch_size={user_micro} is chosen by the search (pin it with "
                      "search={'fixed': {'micro_batch': N}})")
     if box[0] is not None:
