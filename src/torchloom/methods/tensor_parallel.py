@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ..errors import StrategyError
@@ -98,7 +99,8 @@ class TensorParallel(Method):
           (sequence parallel: as many all-gathers plus reduce-scatters of the same tensor); the vocabulary-
           parallel embedding all-reduces its output, the head gathers the logits (not under loss_parallel:
           three small all-reduces of per-token statistics) and all-reduces its input gradient;
-        * DTensor: ``_TP_OPS_PER_GEMM`` extra dispatched ops per GEMM (redistribute/to_local/from_local).
+        * DTensor: each sharded Linear's forward + backward costs ``_DTENSOR_OPS_PER_LINEAR`` dispatched ops
+          more (from_local, sharding propagation, redistribute, to_local around each sharded matmul).
         """
         from ..search.effects import (Collective, Effects, activation_bytes, blocks_per_rank, dtype_bytes,
                                       hidden_bytes)
@@ -119,8 +121,8 @@ class TensorParallel(Method):
                     memory_scale={"params": 1.0 / t, "grads": 1.0 / t, "optimizer": 1.0 / t})
         if blocks + rest > 0:
             e.memory_scale["activations"] = (blocks * blk + rest * rest_scale) / (blocks + rest)
-        gemms = sum(g.count for p in info.blocks for g in p.fwd.matmuls) / max(info.num_blocks, 1)
-        e.ops_add = _TP_OPS_PER_GEMM * gemms
+        # forward gets ops_add per block, backward twice that: a third of the fwd+bwd cost each
+        e.ops_add = _DTENSOR_OPS_PER_LINEAR * _linears_per_block(info) / 3
         hb = hidden_bytes(info, step)
         calls = step.grad_accum * blocks_per_rank(info, dims) * 4
         if hb and calls:
@@ -307,9 +309,31 @@ class LossParallel(Method):
             ctx.note("loss_parallel: cross-entropy on vocab-sharded logits inside loss_parallel()")
 
 
-#: extra dispatched ops per GEMM of a tensor-parallel block per forward (DTensor from_local, redistribute,
-#: to_local and their bookkeeping around each sharded Linear), CPU eager
-_TP_OPS_PER_GEMM = 6.0
+#: extra cost of one sharded Linear's forward + backward in units of ``Hardware.op_overhead_s`` (DTensor
+#: dispatch: from_local, sharding propagation, redistribute, to_local). Measured on torch 2.13 CPU eager
+#: (a colwise + rowwise pair of 8x8 Linears on a 1-rank mesh vs the plain pair, best of 30 x 10 calls:
+#: +460 us per Linear, with ``op_overhead_s`` ~4.4 us): ~100 ops. Relative to the op overhead so that it
+#: follows the machine's dispatch speed.
+_DTENSOR_OPS_PER_LINEAR = 100.0
+
+
+def _linears_per_block(info) -> float:
+    """nn.Linear (and HF Conv1D) modules of one block instance (the ones tensor parallel shards): counted on
+    ``info.module`` when there, else the block GEMMs that read or write the hidden size."""
+    memo = info.__dict__.get("_tp_linears")
+    if memo is not None:
+        return memo
+    n = 0.0
+    if info.module is not None and info.block_classes:
+        block = next((m for m in info.module.modules() if type(m).__name__ in info.block_classes), None)
+        if block is not None:
+            n = float(sum(1 for m in block.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"))
+    if not n:
+        h = info.dims.get("hidden_size")
+        blocks = info.blocks
+        n = sum(g.count for g in blocks[0].fwd.matmuls if h in (g.n, g.k)) if blocks and h else 0.0
+    info.__dict__["_tp_linears"] = n
+    return n
 
 
 def _blocks(name: str) -> str:

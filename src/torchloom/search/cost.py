@@ -95,6 +95,22 @@ def predict(cand: Candidate, info: ModelInfo, hw: Hardware, *, memory_limit: flo
         time["recompute"] = accum * tr
     if pipeline is not None:
         bubble = max(0.0, pipeline.bubble_fwd * tf + pipeline.bubble_bwd * (tb + tr))
+        over = oversubscription(hw)
+        if over > 1.0:
+            # co-located ranks share cores: while some idle (bubble, lighter stages) the others run faster,
+            # up to ``over`` x; the step is at least the average rank's own work (work conservation) and at
+            # least the critical path at the uncontended speed
+            busy = accum * (tf + tb + tr)
+            mean = accum * sum(r[0] for r in per_rank) / len(per_rank)
+            wall = max(mean, (busy + bubble) / over)
+            if wall < busy:  # even the slowest rank's work shrinks: scale the compute parts, no bubble
+                for k in list(time):
+                    time[k] *= wall / busy
+                bubble = 0.0
+            else:
+                bubble = wall - busy
+            notes.append(f"pipeline_parallel: {len(per_rank)} stages share cores ({over:g}x oversubscribed): "
+                         "idle ranks' cores absorb part of the bubble")
         time["bubble"] = bubble
         notes.append(f"pipeline_parallel: {pipeline.schedule} p={pipeline.stages} v={pipeline.virtual} "
                      f"m={pipeline.microbatches}: bubble {bubble / max(sum(time.values()), 1e-30):.1%} of compute")
@@ -249,6 +265,17 @@ def _peak(mem: dict[str, float], state: _Baseline, grads_live: bool, hw: Hardwar
 
 
 # -- compute -----------------------------------------------------------------------------------------
+def oversubscription(hw: Hardware) -> float:
+    """How many times the node's cores are oversubscribed by its ranks' compute threads (``ranks_per_node x
+    threads_per_rank / cores``, at least 1; 1 off CPU, where each rank has its own device). The calibration
+    measured every rate with all ranks busy at once, so a rank whose peers idle can run up to this much
+    faster."""
+    cores = hw.fingerprint.get("cores") if hw.device_type == "cpu" else None
+    if not cores:
+        return 1.0
+    return max(1.0, hw.ranks_per_node * max(hw.threads_per_rank, 1) / cores)
+
+
 def _pass_cache(info: ModelInfo, hw: Hardware) -> dict:
     """Per (model, hardware) memo of pass times (the same part/micro-batch/dtype/scales recur across
     thousands of candidates). Kept on the ModelInfo; invalidated when another Hardware object is used."""
