@@ -4,7 +4,8 @@
 candidates in the same order). Each trial builds a fresh model (the user's factory, or a deep copy of a
 meta/CPU model), applies the candidate with :func:`torchloom.auto_accelerate`, runs ``warmup`` + ``steps``
 optimizer steps on real batches of its own dataloader, and records the step time (median over the measured
-steps of the slowest rank's time) and the peak memory per rank. Then everything the trial created is torn down
+steps of the slowest rank's time) and the peak memory per rank, both measured by
+:func:`torchloom.search.measure.measure_steps` (as the accuracy benchmark measures). Then everything the trial created is torn down
 (:class:`~torchloom.search.isolation.ProcessState`: its process groups, the current mesh, the random state,
 DTensor/dynamo caches; the model, optimizer and dataloader are dropped): the real run that follows reads the
 same data and draws the same random numbers as without the trials. The trial's dataloader is its own (a new
@@ -13,7 +14,8 @@ was asked for (e.g. ``RecordingWindows``) sees the trials' reads.
 
 Failures are results, not errors: an out-of-memory (``torch.OutOfMemoryError``) or any exception in a trial is
 recorded in its :class:`TrialResult` and the next trial runs. The ranks agree after every phase of a trial
-(building the model, applying the strategy, each warm-up step, each measured block) with one small all-reduce of ``[failed, oom, over budget, step time]`` on the default
+(building the model, applying the strategy, each warm-up step, each measured block) with one small
+all-reduce (max) of ``[failed, oom, seconds since the trial started, seconds of the phase]`` on the default
 group, so a rank that failed and the ranks that did not stop together, and a time budget ends every rank's
 trial at the same step. Limitation: a rank that raises *inside* a collective region that its peers are still
 in (e.g. an OOM in one rank's forward while the others wait in FSDP's all-gather) leaves the peers blocked

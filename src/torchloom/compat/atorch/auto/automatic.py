@@ -18,7 +18,6 @@ search, ``sample_batch`` (+ ``batch_size``) trains the trials when there is no d
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 import torch
@@ -28,8 +27,6 @@ from ....errors import StrategyError
 from ....search.candidate import Candidate
 from ..strategy_map import translate
 from .strategy import Strategy
-
-log = logging.getLogger("torchloom.compat.atorch")
 
 #: ATorch method names -> the search's vocabulary (torchloom.search.options); None: not searched
 SEARCH_NAMES: dict[str, str | None] = {
