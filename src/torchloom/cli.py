@@ -240,6 +240,42 @@ def check(threshold: float, timeout: float, as_json: bool, **kw) -> None:
     _exit(0 if report.healthy else 1)
 
 
+# ------------------------------------------------------------------------------------------ plan
+@main.command()
+@click.argument("model")
+@click.option("--gpu", default=None, help="accelerator of the cluster: h100, h100-pcie, a100, a100-40gb, h200, b200, "
+                                          "mi300x, ...")
+@click.option("--gpus", type=int, default=None, help="devices in the job")
+@click.option("--gpus-per-node", type=int, default=None, help="devices per node (required above 8 GPUs)")
+@click.option("--local", is_flag=True, help="plan for this machine (calibrated once, then cached)")
+@click.option("--nproc", type=int, default=None, help="with --local: processes (default 1)")
+@click.option("--seq-len", type=int, default=None, help="tokens per sample (default: the model's)")
+@click.option("--global-batch", type=int, default=None, help="samples per optimizer step (default: one per device)")
+@click.option("--micro-batch", type=int, default=None, help="samples per rank per forward (default: searched)")
+@click.option("--strategy", default=None, help="evaluate this strategy instead of searching: fsdp,amp or a "
+                                               "JSON/YAML list or a strategy file")
+@click.option("--exclude", default=None, help="search: names to leave out, e.g. pipeline_parallel,zero1")
+@click.option("--fix", "fixed", multiple=True, metavar="DIM=N", help="search: pin a degree, e.g. --fix tp=8")
+@click.option("--top", type=int, default=10, show_default=True, help="rows to show")
+@click.option("--explain", type=int, default=None, metavar="N", help="print candidate N's full breakdown")
+@click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
+def plan(model: str, **kw) -> None:
+    """Rank strategies for MODEL on a cluster with the cost model: nothing runs, the model is never allocated.
+
+    MODEL is a built-in name (llama3-8b, llama3-70b, llama3.1-405b, mixtral-8x7b, default), a Hugging Face
+    config.json, or a factory pkg.module:function. Exit code 0; 1 when nothing fits; 2 for bad input.
+
+    \b
+    Examples:
+      loom plan llama3-70b --gpu h100 --gpus 1024 --gpus-per-node 8
+      loom plan llama3-8b --gpu h100 --gpus 8 --global-batch 16 --strategy fsdp,amp,checkpoint --explain 1
+      loom plan default --local --nproc 4 --global-batch 16 --json
+    """
+    from .search.plan_cli import run_command
+
+    sys.exit(run_command(model, **kw))
+
+
 # ------------------------------------------------------------------------------------- calibrate
 @main.command()
 @click.option("--nproc", default=None, metavar="N[,N...]",

@@ -1,0 +1,380 @@
+"""What ``loom plan`` does: resolve the model and the cluster, analyse the model on the meta device, then either
+search the strategy space or evaluate one given strategy with the cost model, and render the ranked result
+(table, ``--explain`` breakdown, ``--json``). Nothing runs and the model is never allocated.
+
+The command itself (options, exit codes) lives in :mod:`torchloom.cli`; see ``docs/plan.md``.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import StrategyError, TorchloomError
+from .candidate import Candidate, Prediction
+from .cluster import ClusterSpec, cluster_hardware, cluster_spec
+from .hardware import Hardware
+from .presets import ModelSpec, resolve_model
+
+GiB = 1024.0 ** 3
+MEMORY_ORDER = ("params", "grads", "optimizer", "activations", "temporary", "headroom")
+JSON_SCHEMA_VERSION = 1
+
+
+class NoFit(StrategyError):
+    """No candidate fits the devices' memory (the message: how much the smallest overflows, what would fit)."""
+
+
+@dataclass
+class PlanRow:
+    """One evaluated candidate: its rank (1 = best), the candidate and the cost model's prediction."""
+
+    rank: int
+    candidate: Candidate
+    prediction: Prediction
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "label": self.candidate.label(), "candidate": self.candidate.to_dict(),
+                "strategy": self.candidate.strategy().to_dict(), "prediction": self.prediction.to_dict()}
+
+
+@dataclass
+class PlanReport:
+    """Everything ``loom plan`` prints.
+
+    Attributes:
+        model: the resolved model (name, source); ``n_params`` whole-model parameter elements.
+        cluster: the cluster description; ``hardware`` its :class:`Hardware`.
+        seq_len / global_batch: what the plan is for (tokens per sample, samples per optimizer step).
+        rows: evaluated candidates, best first (every one that fits, or the one ``--strategy`` gave).
+        evaluated: how many candidates the search predicted (after ``validate`` pruning), for the summary.
+        mode: ``"search"`` or ``"strategy"``.
+        wall_s: seconds spent (analysis + search).
+        notes: assumptions (guessed sequence length, default global batch, ...).
+    """
+
+    model: ModelSpec
+    n_params: int
+    cluster: ClusterSpec
+    hardware: Hardware
+    seq_len: int
+    global_batch: int
+    rows: list[PlanRow]
+    evaluated: int
+    mode: str
+    wall_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self, top: int | None = None) -> dict[str, Any]:
+        rows = self.rows if top is None else self.rows[:top]
+        hw = self.hardware
+        return {
+            "schema": JSON_SCHEMA_VERSION,
+            "model": {"name": self.model.name, "source": self.model.source, "n_params": self.n_params},
+            "cluster": {"gpu": self.cluster.gpu, "gpus": self.cluster.gpus, "gpus_per_node": self.cluster.gpus_per_node,
+                        "local": self.cluster.local, "hardware": hw.name, "memory_bytes": hw.memory_bytes,
+                        "peak_flops": dict(hw.peak_flops)},
+            "seq_len": self.seq_len, "global_batch": self.global_batch, "mode": self.mode,
+            "evaluated": self.evaluated, "wall_s": round(self.wall_s, 3), "notes": list(self.notes),
+            "candidates": [r.to_dict() for r in rows],
+        }
+
+
+# ------------------------------------------------------------------------------------------ planning
+def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_per_node: int | None = None,
+         local: bool = False, nproc: int | None = None, seq_len: int | None = None,
+         global_batch: int | None = None, micro_batch: int | None = None, strategy: str | None = None,
+         search_options: dict[str, Any] | None = None, hardware: Hardware | None = None) -> PlanReport:
+    """Plan ``model`` on a cluster (the arguments of :func:`~torchloom.search.cluster.cluster_spec`).
+
+    Args:
+        model: a preset name, a ``config.json`` path or ``pkg.module:factory`` (:func:`resolve_model`).
+        seq_len: tokens per sample (default: the preset's, else the config's, capped; noted).
+        global_batch: samples per optimizer step (default: one sample per device, i.e.
+            ``gpus``; noted).
+        micro_batch: with ``strategy``: samples per rank per forward (default: the global batch split evenly
+            over the data-parallel ranks, no accumulation).
+        strategy: evaluate this strategy instead of searching (:func:`parse_strategy_option`).
+        search_options: the search's pins/excludes (``{"exclude": [...], "fixed": {"tp": 8}}``).
+        hardware: use this :class:`Hardware` instead of building it from the cluster options (tests).
+
+    Raises:
+        TorchloomError: a bad model, cluster or strategy (the message names it), or no candidate that fits
+            (how much the smallest overflows and what would make it fit).
+    """
+    t0 = time.perf_counter()
+    spec = resolve_model(model)
+    cl = cluster_spec(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, local=local, nproc=nproc)
+    notes: list[str] = []
+    if seq_len is not None and seq_len < 1:
+        raise StrategyError(f"--seq-len must be >= 1, got {seq_len}.")
+    seq = seq_len or spec.default_seq_len()
+    if global_batch is None:
+        global_batch = cl.gpus
+        notes.append(f"global batch {global_batch} (one sample per device per step; pass --global-batch to choose)")
+    if global_batch < 1:
+        raise StrategyError(f"--global-batch must be >= 1, got {global_batch}.")
+    hw = hardware if hardware is not None else cluster_hardware(cl)
+    info = spec.analyze(seq)
+    notes = [*spec.notes, *notes]
+    if strategy is not None:
+        cand = strategy_candidate(strategy, info, cl.gpus, global_batch, seq, micro_batch)
+        rows = [PlanRow(1, cand, _predict(cand, info, hw))]
+        evaluated, mode = 1, "strategy"
+    else:
+        rows, evaluated, search_notes = search_rows(info, hw, cl.gpus, global_batch, seq, micro_batch,
+                                                    search_options or {})
+        notes += [n for n in search_notes if not n.startswith("search: ")]
+        mode = "search"
+    return PlanReport(spec, info.n_params, cl, hw, seq, global_batch, rows, evaluated, mode,
+                      time.perf_counter() - t0, notes)
+
+
+def search_rows(info, hw: Hardware, world: int, global_batch: int, seq_len: int, micro_batch: int | None,
+                options: dict[str, Any]) -> tuple[list[PlanRow], int, list[str]]:
+    """Rank the search space's candidates by predicted throughput with :func:`torchloom.search.search.search`
+    (predictions only: ``top_k=0``, no runner; nothing runs).
+
+    Returns:
+        ``(rows that fit, best first; how many candidates were predicted; the search's notes)``.
+
+    Raises:
+        NoFit: no candidate fits (the search's message: how much the smallest overflows, what would fit).
+        StrategyError: bad search options.
+    """
+    from .search import search
+
+    opts = dict(options)
+    opts["top_k"] = 0
+    if micro_batch is not None:
+        opts["fixed"] = {**opts.get("fixed", {}), "micro_batch": micro_batch}
+    try:
+        result = search(world_size=world, global_batch=global_batch, hw=hw, info=info, seq_len=seq_len,
+                        options=opts)
+    except StrategyError as e:
+        if "fits no candidate" in str(e):
+            raise NoFit(str(e)) from e
+        raise
+    rows = [PlanRow(i + 1, e.candidate, e.prediction) for i, e in enumerate(result.ranked)]
+    return rows, len(result.evaluated), list(result.notes)
+
+
+def _predict(cand: Candidate, info, hw: Hardware) -> Prediction:
+    from .cost import predict
+
+    return predict(cand, info, hw)
+
+
+# ------------------------------------------------------------------------------ --strategy evaluation
+def parse_strategy_option(text: str):
+    """The ``--strategy`` value as a :class:`~torchloom.strategy.strategy.Strategy`: a strategy file (``.json``
+    / ``.yaml``), an inline JSON/YAML list (``'[fsdp, {checkpoint: {every_k: 2}}, amp]'``) or a comma-separated
+    list of method names (``fsdp,amp,checkpoint``). Mesh degrees go in a ``parallel_mode`` item
+    (``'[{parallel_mode: {tp: 8}}, fsdp]'``).
+
+    Raises:
+        StrategyError: an unreadable value or an invalid strategy (the strategy check's message).
+    """
+    import yaml
+
+    from ..strategy.strategy import Strategy
+
+    s = text.strip()
+    if not s:
+        raise StrategyError("--strategy is empty; give methods (fsdp,amp), a list or a strategy file.")
+    if s[0] in "[{":
+        try:
+            data = yaml.safe_load(s)
+        except yaml.YAMLError as e:
+            raise StrategyError(f"--strategy {s!r} is not a valid JSON/YAML list: {e}") from e
+        return Strategy.parse(data if isinstance(data, list) else [data] if "methods" not in data else data)
+    if Path(s).suffix.lower() in (".json", ".yaml", ".yml") or Path(s).is_file():
+        return Strategy.load(s)
+    return Strategy([n.strip() for n in s.split(",") if n.strip()])
+
+
+def strategy_candidate(text: str, info, world: int, global_batch: int, seq_len: int,
+                       micro_batch: int | None) -> Candidate:
+    """The :class:`Candidate` ``auto_accelerate`` would run for ``--strategy text`` on ``world`` ranks: its mesh
+    degrees (``api.plan_dims``: data parallel takes the rest), the data-parallel method it adds when none is
+    given (DDP, or replicating FSDP under TP), each method's ``validate`` on the model, and the batch split.
+
+    Raises:
+        StrategyError: an invalid strategy, degrees that do not fit ``world``, a check ``apply`` would fail, or
+            a global batch the data-parallel ranks and micro-batch cannot split evenly.
+    """
+    from ..api import plan_dims
+    from ..strategy.config import config_to_dict
+    from ..strategy.data_parallel import replicating_data_parallel
+
+    strat = parse_strategy_option(text)
+    dims = plan_dims(strat, world)
+    if dims.dp > 1 and not any(type(m).data_parallel for m in strat.ordered()):
+        strat = strat.with_method(replicating_data_parallel("tensor_parallel" in strat)[1])
+    for m in strat.ordered():
+        m.validate(info, dims)
+    methods = tuple((e.name, config_to_dict(e.config)) for e in strat.entries
+                    if not e.implied and e.name != "parallel_mode")
+    dp = dims.dp
+    if global_batch % dp:
+        raise StrategyError(f"global batch {global_batch} does not split over {dp} data-parallel ranks; use a "
+                            f"multiple of {dp} (--global-batch).")
+    local = global_batch // dp
+    mb = local if micro_batch is None else micro_batch
+    if mb < 1 or local % mb:
+        raise StrategyError(f"micro-batch {mb} does not divide the {local} samples per data-parallel rank "
+                            f"(global batch {global_batch} / dp {dp}); choose a divisor of {local}.")
+    return Candidate(dims, methods, mb, local // mb, seq_len)
+
+
+# -------------------------------------------------------------------------------------------- command
+def run_command(model: str, *, gpu=None, gpus=None, gpus_per_node=None, local=False, nproc=None, seq_len=None,
+                global_batch=None, micro_batch=None, strategy=None, exclude=None, fixed=(), top=10, explain=None,
+                as_json=False) -> int:
+    """``loom plan``: plan, print (table, ``--explain``, or ``--json``) and return the exit code: 0, 1 when no
+    candidate fits (the message says by how much and what would fit), 2 for bad input (named)."""
+    import click
+
+    try:
+        if top < 1:
+            raise StrategyError(f"--top must be >= 1, got {top}.")
+        if strategy is not None and (exclude or fixed):
+            raise StrategyError("--exclude/--fix steer the search; with --strategy nothing is searched (put the "
+                                "degrees in the strategy's parallel_mode item).")
+        options = search_options_from_cli(exclude, fixed)
+        report = plan(model, gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, local=local, nproc=nproc,
+                      seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, strategy=strategy,
+                      search_options=options)
+        if explain is not None:
+            explain_row(report, explain)
+    except NoFit as e:
+        click.echo(f"no fit: {e}", err=True)
+        return 1
+    except TorchloomError as e:
+        click.echo(f"error: {e}", err=True)
+        return 2
+    if as_json:
+        d = report.to_dict(top=top)
+        if explain is not None:
+            d["explain"] = explain_row(report, explain).to_dict()
+        click.echo(json.dumps(d, indent=1, default=str))
+        return 0
+    click.echo(render_table(report, top=top))
+    if explain is not None:
+        click.echo("")
+        click.echo(render_explain(report, explain))
+    return 0 if all(r.prediction.fits for r in report.rows[:1]) else 1
+
+
+def search_options_from_cli(exclude: str | None, fixed) -> dict[str, Any]:
+    """``--exclude a,b`` and ``--fix dim=n`` as the search's options dict (checked by the search).
+
+    Raises:
+        StrategyError: a ``--fix`` that is not ``DIM=N`` with an integer N.
+    """
+    out: dict[str, Any] = {}
+    if exclude:
+        out["exclude"] = [x.strip() for x in exclude.split(",") if x.strip()]
+    pins: dict[str, int] = {}
+    for item in fixed or ():
+        k, sep, v = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            pins[k.strip()] = int(v)
+        except ValueError:
+            raise StrategyError(f"--fix {item!r}: write DIM=N, e.g. --fix tp=8 (dims: pp, dp, dp_replicate, "
+                                f"dp_shard, tp, micro_batch).") from None
+    if pins:
+        out["fixed"] = pins
+    return out
+
+
+# ------------------------------------------------------------------------------------------ rendering
+def render_table(report: PlanReport, top: int = 10) -> str:
+    """The ranked table: step time, tokens/s per device, MFU (and the peak it divides by), memory per device
+    by category in GiB, and a summary header."""
+    hw, cl = report.hardware, report.cluster
+    lines = [
+        f"model    {report.model.name} ({report.n_params / 1e9:.2f} B parameters; {report.model.source})",
+        f"cluster  {cl.describe()}; {hw.memory_bytes / GiB:.1f} GiB per device",
+        f"batch    global {report.global_batch} x seq {report.seq_len} = "
+        f"{report.global_batch * report.seq_len:,} tokens per step",
+    ]
+    if report.mode == "search":
+        lines.append(f"searched {report.evaluated:,} candidates in {report.wall_s:.2f} s; "
+                     f"{len(report.rows):,} fit; best {min(top, len(report.rows))} shown (--top)")
+    lines += [f"note     {n}" for n in report.notes]
+    head = (f"{'#':>3}  {'candidate':<44} {'step s':>8} {'tok/s/dev':>10} {'MFU':>6} {'peak TF/s':>9}  "
+            + " ".join(f"{c[:6]:>6}" for c in MEMORY_ORDER) + f" {'total':>7} {'limit':>6}  (GiB)")
+    lines += ["", head, "-" * len(head)]
+    for r in report.rows[:top]:
+        p = r.prediction
+        mem = " ".join(f"{p.memory.get(c, 0.0) / GiB:6.1f}" for c in MEMORY_ORDER)
+        flag = "" if p.fits else "  DOES NOT FIT"
+        lines.append(f"{r.rank:>3}  {_clip(r.candidate.label(), 44):<44} {p.step_time_s:8.3f} "
+                     f"{p.tokens_per_s_per_device:10,.0f} {p.mfu * 100:5.1f}% {p.peak_flops / 1e12:9.1f}  {mem} "
+                     f"{p.peak_memory_bytes / GiB:7.1f} {p.memory_limit_bytes / GiB:6.1f}{flag}")
+    extra = set().union(*(r.prediction.memory for r in report.rows[:top])) - set(MEMORY_ORDER) if report.rows else ()
+    if extra:
+        lines.append(f"(other memory categories in the total: {', '.join(sorted(extra))}; see --explain)")
+    lines.append("MFU = model FLOPs per second per device (no recomputation) / the peak named (dtype of the matmuls).")
+    return "\n".join(lines)
+
+
+def render_explain(report: PlanReport, n: int) -> str:
+    """Candidate ``n``'s (1-based rank) full breakdown: strategy, time parts, memory parts, collectives, notes.
+
+    Raises:
+        StrategyError: ``n`` outside the ranked rows.
+    """
+    row = explain_row(report, n)
+    c, p = row.candidate, row.prediction
+    out = [f"candidate #{row.rank}: {c.label()}",
+           f"  strategy      {json.dumps(c.strategy().to_dict()['methods'])}",
+           f"  mesh          {c.dims.as_dict()}",
+           f"  batch         micro-batch {c.micro_batch} x {c.grad_accum} accumulation x dp {c.dims.dp} = "
+           f"global {c.global_batch}; seq {c.seq_len}",
+           f"  step time     {p.step_time_s:.4f} s  ({p.tokens_per_s_per_device:,.0f} tokens/s per device, "
+           f"{p.tokens_per_s:,.0f} in all)",
+           f"  MFU           {p.mfu * 100:.1f}% of {p.peak_flops / 1e12:.1f} TFLOP/s per device", "", "  time (s)"]
+    total = p.step_time_s or 1.0
+    for k, v in sorted(p.time.items(), key=lambda kv: -kv[1]):
+        out.append(f"    {k:<38} {v:10.4f}  {100 * v / total:5.1f}%")
+    out.append(f"    {'= step':<38} {sum(p.time.values()):10.4f}")
+    out += ["", "  memory per device (GiB)"]
+    for k in [*MEMORY_ORDER, *sorted(set(p.memory) - set(MEMORY_ORDER))]:
+        if k in p.memory:
+            out.append(f"    {k:<38} {p.memory[k] / GiB:10.3f}")
+    out.append(f"    {'= peak':<38} {p.peak_memory_bytes / GiB:10.3f}   (limit {p.memory_limit_bytes / GiB:.1f}; "
+               f"{'fits' if p.fits else 'DOES NOT FIT'})")
+    if p.collectives:
+        out += ["", "  collectives per step"]
+        for col in p.collectives:
+            out.append("    " + ", ".join(f"{k}={_fmt_value(v)}" for k, v in col.items()))
+    if p.notes:
+        out += ["", "  notes"] + [f"    - {x}" for x in p.notes]
+    return "\n".join(out)
+
+
+def explain_row(report: PlanReport, n: int) -> PlanRow:
+    if not 1 <= n <= len(report.rows):
+        raise StrategyError(f"--explain {n}: there {'is' if len(report.rows) == 1 else 'are'} "
+                            f"{len(report.rows)} ranked candidate(s); give 1..{len(report.rows)}.")
+    return report.rows[n - 1]
+
+
+def _clip(s: str, n: int) -> str:
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+__all__ = ["PlanReport", "PlanRow", "plan", "parse_strategy_option", "strategy_candidate", "search_rows",
+           "render_table", "render_explain", "TorchloomError"]
