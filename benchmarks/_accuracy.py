@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from search_accuracy import MODELS, RESULTS, ROOT, build, lm_loss, machine, model_config
+from search_accuracy import MODELS, RESULTS, ROOT, _cleanup, build, lm_loss, machine, model_config
 
 DOC = ROOT / "docs" / "search_accuracy.md"
 PNG = ROOT / "docs" / "images" / "search_accuracy.png"
@@ -110,7 +110,6 @@ def auto_trial(model: str, best: dict | None, steps: int, warmup: int, time_limi
 
     import torchloom
     from torchloom.search.candidate import Candidate
-    from torchloom.search.isolation import ProcessState
     from torchloom.search.measure import measure_steps
     from torchloom.search.plan_file import batch_args
 
@@ -124,7 +123,6 @@ def auto_trial(model: str, best: dict | None, steps: int, warmup: int, time_limi
         ids = [torch.randint(0, mc.vocab_size, (res.micro_batch_size, mc.seq_len), generator=g) for _ in range(2)]
         return [{"input_ids": x, "labels": x} for x in ids]
 
-    state = ProcessState.capture()
     t0 = time.perf_counter()
     res = torchloom.auto_accelerate(
         build(model), torch.optim.AdamW, None, lm_loss, strategy="auto", optim_args={"lr": 1e-4},
@@ -143,10 +141,9 @@ def auto_trial(model: str, best: dict | None, steps: int, warmup: int, time_limi
     out["chosen_measured_s"] = measure_steps(res, batches(res), steps=steps, warmup=warmup,
                                              track_memory=False).step_time_s
     del res
-    state.restore()
+    _cleanup()
     if best is not None:
         cand = Candidate.from_dict(best)
-        state = ProcessState.capture()
         res = torchloom.auto_accelerate(build(model), torch.optim.AdamW, None, lm_loss, strategy=cand.strategy(),
                                         optim_args={"lr": 1e-4}, dataloader_args=batch_args(cand),
                                         model_input_format="unpack_dict")
@@ -154,7 +151,7 @@ def auto_trial(model: str, best: dict | None, steps: int, warmup: int, time_limi
         out["best_measured_s"] = measure_steps(res, batches(res), steps=steps, warmup=warmup,
                                                track_memory=False).step_time_s
         del res
-        state.restore()
+        _cleanup()
     return out
 
 

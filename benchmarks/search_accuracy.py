@@ -162,7 +162,6 @@ def run_grid(jobs: list[tuple[str, dict, int, int]], rounds: int, log_path: str,
     for r in range(rounds):
         for model_name, cdict, steps, warmup in jobs:
             cand = Candidate.from_dict(cdict)
-            state = _capture()
             row = {"model": model_name, "candidate": cdict, "label": cand.label(), "round": r, "steps": steps,
                    "warmup": warmup}
             t0 = time.perf_counter()
@@ -186,8 +185,7 @@ def run_grid(jobs: list[tuple[str, dict, int, int]], rounds: int, log_path: str,
             except Exception as e:  # noqa: BLE001 - a failing candidate is a result
                 row["error"] = f"{type(e).__name__}: {e}"
             row["wall_s"] = time.perf_counter() - t0
-            gc.collect()
-            _restore(state)
+            _cleanup()
             dist.barrier()
             rows.append(row)
             if rank == 0:
@@ -201,18 +199,15 @@ def run_grid(jobs: list[tuple[str, dict, int, int]], rounds: int, log_path: str,
     return rows
 
 
-def _capture():
-    try:
-        from torchloom.search.isolation import ProcessState
+def _cleanup() -> None:
+    """Between candidates: drop the trial's model and mesh. Its process groups are kept, not destroyed:
+    with ``torchloom.search.isolation.ProcessState.restore`` (which destroys them) a later tensor-parallel
+    candidate fails ("Could not resolve the process group registered under the name N"; reproduced with
+    dps2 x tp2 then pp2 x tp2 on 4 ranks, torch 2.13). Idle gloo groups cost nothing measurable."""
+    from torchloom.parallel.mesh import set_current_mesh
 
-        return ProcessState.capture()
-    except ImportError:
-        return None
-
-
-def _restore(state) -> None:
-    if state is not None:
-        state.restore()
+    set_current_mesh(None)
+    gc.collect()
 
 
 def machine() -> dict:
@@ -249,7 +244,7 @@ def measure(models: list[str], worlds: list[int], quick: bool, steps: int | None
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // w))}
         os.environ.update(env)
         load_before, t0 = os.getloadavg(), time.time()
-        meta = {"world_size": w, "models": models, "rounds": rounds,
+        meta = {"world_size": w, "models": models, "rounds": rounds, "only": only or None,
                 "quick": quick, "omp_num_threads": int(env["OMP_NUM_THREADS"]), "machine": machine(),
                 "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "loadavg_before": load_before,
                 "command": " ".join(["benchmarks/search_accuracy.py", *sys.argv[1:]])}
@@ -270,16 +265,27 @@ def measure(models: list[str], worlds: list[int], quick: bool, steps: int | None
 
 
 def write_results(rows: list[dict], meta: dict) -> list[Path]:
-    """Write ``search_grid_<model>_w<N>.json`` for every model of ``meta["models"]`` from ``rows``."""
+    """Write ``search_grid_<model>_w<N>.json`` for every model of ``meta["models"]`` from ``rows``. With
+    ``meta["only"]`` (a rerun of some candidates) the new entries replace those of the existing file and
+    the others are kept (``rerun`` lists the replaced labels)."""
     paths = []
     for m in meta["models"]:
         mine = [r for r in rows if r["model"] == m]
-        if not mine and meta.get("partial"):
-            continue  # not reached yet: keep an older complete file
+        if not mine and (meta.get("partial") or meta.get("only")):
+            continue  # not reached yet / not rerun: keep the existing file
+        path = RESULTS / f"search_grid_{m}_w{meta['world_size']}.json"
+        cands = _merge_rounds(mine)
         out = {"model": m, "model_config": _model_config_dict(m), "global_batch": MODELS[m]["global_batch"],
                "steps": mine[0]["steps"] if mine else None, "warmup": mine[0]["warmup"] if mine else None,
-               **{k: v for k, v in meta.items() if k != "models"}, "candidates": _merge_rounds(mine)}
-        path = RESULTS / f"search_grid_{m}_w{meta['world_size']}.json"
+               **{k: v for k, v in meta.items() if k not in ("models", "only")}}
+        if meta.get("only") and path.exists():
+            old = json.loads(path.read_text())
+            new = {json.dumps(c["candidate"], sort_keys=True): c for c in cands}
+            kept = [c for c in old["candidates"] if json.dumps(c["candidate"], sort_keys=True) not in new]
+            out = {**old, "rerun": sorted({*old.get("rerun", []), *(c["label"] for c in cands)}),
+                   "rerun_date_utc": meta["date_utc"], "candidates": kept + cands}
+        else:
+            out["candidates"] = cands
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(out, indent=1))
         tmp.replace(path)  # readers never see a half-written file
@@ -332,7 +338,7 @@ def main() -> None:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--measure-only", action="store_true", help="run the grid, write the JSON, stop")
     mode.add_argument("--predict-only", action="store_true", help="compare with the saved JSON, run nothing")
-    ap.add_argument("--only", nargs="*", help="measure only candidates whose label contains one of these")
+    ap.add_argument("--only", nargs="*", help="rerun only candidates whose label contains one of these (merged into the saved files)")
     ap.add_argument("--no-auto", action="store_true", help="skip the strategy='auto' search run")
     args = ap.parse_args()
     t0 = time.time()
