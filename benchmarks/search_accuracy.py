@@ -338,7 +338,8 @@ def main() -> None:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--measure-only", action="store_true", help="run the grid, write the JSON, stop")
     mode.add_argument("--predict-only", action="store_true", help="compare with the saved JSON, run nothing")
-    ap.add_argument("--only", nargs="*", help="rerun only candidates whose label contains one of these (merged into the saved files)")
+    ap.add_argument("--only", nargs="*",
+                    help="rerun only candidates whose label contains one of these (merged into the saved files)")
     ap.add_argument("--no-auto", action="store_true", help="skip the strategy='auto' search run")
     args = ap.parse_args()
     t0 = time.time()
