@@ -12,6 +12,29 @@ from tests.distributed._train_workers import OPTIMS
 from tests.models import lm_loss, tiny_llama, token_batches
 
 SEQ = 16
+DISTINCT = 2  # the training cycles over this many global batches, so 10 steps visibly learn them
+
+
+def batches(steps: int, global_batch: int) -> list[torch.Tensor]:
+    """The global batch of each step: ``DISTINCT`` fixed batches of random tokens, in turn."""
+    data = token_batches(DISTINCT * global_batch, seq=SEQ)
+    return [data[(s % DISTINCT) * global_batch:(s % DISTINCT + 1) * global_batch] for s in range(steps)]
+
+
+def reference(steps: int, global_batch: int, amp: bool) -> list[float]:
+    """Single-process training on the same batches (bf16 autocast when the plan uses amp): per-step loss."""
+    model = tiny_llama()
+    cls, kw = OPTIMS["sgd"]
+    opt = cls(model.parameters(), **kw)
+    losses = []
+    for x in batches(steps, global_batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def auto_train(cache_dir: str, steps: int, global_batch: int, search: dict) -> dict:
@@ -27,10 +50,8 @@ def auto_train(cache_dir: str, steps: int, global_batch: int, search: dict) -> d
     s = res.search
     dp, r = res.mesh.dp_size, res.mesh.dp_rank
     per_call = res.micro_batch_size
-    data = token_batches(steps * global_batch, seq=SEQ)
     losses = []
-    for step in range(steps):
-        xs = data[step * global_batch:(step + 1) * global_batch]
+    for xs in batches(steps, global_batch):
         mine = xs[r * (global_batch // dp):(r + 1) * (global_batch // dp)]
         acc = torch.zeros(())
         for k in range(res.grad_accum_steps):
