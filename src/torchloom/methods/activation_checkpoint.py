@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -19,15 +19,21 @@ from ..strategy.registry import Method, Stage, register_method
 class CheckpointConfig:
     """wrap_cls: block class names to checkpoint (default: the repeated blocks).
     every_k: checkpoint every k-th block (1 = all; 2 = half of them, trading memory for less recompute).
-    preserve_rng_state: replay dropout masks exactly in the recomputation."""
+    preserve_rng_state: replay dropout masks exactly in the recomputation.
+    mode: ``"full"`` keeps only each checkpointed block's inputs and recomputes its whole forward;
+        ``"selective"`` also keeps the outputs of its attention kernels and of every other matrix multiply
+        and recomputes the rest (torchtitan's ``op`` policy; ``torchloom.parallel.selective_ac``)."""
 
     wrap_cls: list[str] | None = None
     every_k: int = 1
     preserve_rng_state: bool = True
+    mode: Literal["full", "selective"] = "full"
 
     def __post_init__(self):
         if self.every_k < 1:
             raise StrategyError(f"checkpoint: every_k must be >= 1 (1 = every block), got {self.every_k}.")
+        if self.mode not in ("full", "selective"):
+            raise StrategyError(f"checkpoint: mode must be 'full' or 'selective', got {self.mode!r}.")
 
 
 @register_method
@@ -52,7 +58,10 @@ class ActivationCheckpoint(Method):
         """The checkpointed blocks (``blocks[::every_k]`` of the rank's model parts: its pipeline stages)
         keep only their input instead of their activations, and run their forward again in backward; while
         one of them is backpropagated its activations exist again: the transient peak becomes the larger
-        of the baseline's (loss/head temporaries) and one recomputed block's activations and transient."""
+        of the baseline's (loss/head temporaries) and one recomputed block's activations and transient.
+        ``mode="selective"`` also keeps every attention output and every other weight matmul's output, and
+        recomputes the other half of the weight matmuls plus all memory-bound ops
+        (:func:`_selective_saves`)."""
         from ..search.effects import Effects, activation_bytes, blocks_per_rank, dtype_bytes
 
         nb = blocks_per_rank(info, dims)
@@ -64,8 +73,13 @@ class ActivationCheckpoint(Method):
         scale = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
         # the residual stream between blocks is fp32 under autocast, low precision only under half
         inputs = sum(p.input_bytes * p.count for p in info.blocks) * scale * dtype_bytes(step.param_dtype) / 4
-        kept = (1 - f) * blocks + f * inputs
+        kept_block = inputs
         e = Effects(self.name, recompute_fraction=f)
+        if self.config.mode == "selective":
+            saved, share = _selective_saves(info, step)
+            kept_block = min(blocks, inputs + saved * sum(p.count for p in info.blocks) * scale)
+            e.recompute_matmul_share = share
+        kept = (1 - f) * blocks + f * kept_block
         if blocks + rest > 0:
             e.memory_scale["activations"] = (kept + rest) / (blocks + rest)
             # the transient peak is the larger of the loss/head temporaries (the baseline's) and one block
@@ -86,9 +100,12 @@ class ActivationCheckpoint(Method):
     def apply(self, ctx) -> None:
         chosen = self.chosen_blocks(ctx.model_parts)
         for _, block in chosen:
-            checkpoint_module(block, preserve_rng_state=self.config.preserve_rng_state)
+            checkpoint_module(block, preserve_rng_state=self.config.preserve_rng_state,
+                              selective=self.config.mode == "selective")
         blocks = [b for part in ctx.model_parts for b in find_blocks(part, self.config.wrap_cls)]
-        ctx.note(f"checkpoint: {len(chosen)}/{len(blocks)} blocks recompute activations in backward")
+        ctx.note(f"checkpoint: {len(chosen)}/{len(blocks)} blocks recompute activations in backward"
+                 + (" (selective: attention and every other matmul output kept)" if self.config.mode == "selective"
+                    else ""))
 
     def validate(self, info, dims) -> None:
         """``apply``'s checks on the (meta) model: the wrap classes exist; no dropout in a checkpointed
@@ -118,6 +135,35 @@ class ActivationCheckpoint(Method):
         return chosen
 
 
+def _selective_saves(info, step) -> tuple[float, float]:
+    """``(bytes saved per block instance at micro-batch 1, share of the forward's matmul time recomputed)``
+    under selective checkpointing, from the analysed GEMMs: attention GEMMs are those repeated once per head
+    (``count`` a multiple of the heads) over the head dimension (``[s, s]`` scores, ``[s, head_dim]`` output); the
+    others are weight matmuls, half of whose outputs (``m x n`` each, compute dtype) are kept. Attention
+    keeps its output (``m x heads x head_dim``) and its FLOPs are not recomputed."""
+    from ..search.effects import dtype_bytes
+
+    d = info.dims
+    heads, hd = d.get("num_heads"), d.get("head_dim")
+    blocks = info.blocks
+    if not blocks:
+        return 0.0, 1.0
+    b = dtype_bytes(step.compute_dtype)
+
+    def is_attention(g) -> bool:  # scores q @ k^T: [s, s] over head_dim; then scores @ v: [s, head_dim] over s
+        per_head = bool(hd and heads) and g.count % heads == 0
+        return per_head and ((g.n == g.m and g.k == hd) or (g.k == g.m and g.n == hd))
+
+    weights = [g for g in blocks[0].fwd.matmuls if not is_attention(g)]
+    attn = [g for g in blocks[0].fwd.matmuls if is_attention(g)]
+    saved = 0.5 * sum(g.m * g.n * g.count for g in weights) * b
+    if attn and heads and hd:
+        saved += attn[0].m * heads * hd * b
+    total = sum(g.flops for g in blocks[0].fwd.matmuls)
+    share = 0.5 * sum(g.flops for g in weights) / total if total else 0.5
+    return saved, share
+
+
 def has_active_dropout(module: nn.Module) -> bool:
     """True if ``module`` contains a dropout layer with ``p > 0`` (its forward draws random numbers)."""
     return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
@@ -127,7 +173,7 @@ def has_active_dropout(module: nn.Module) -> bool:
 _CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
 
 
-def checkpoint_module(module: nn.Module, preserve_rng_state: bool = True) -> None:
+def checkpoint_module(module: nn.Module, preserve_rng_state: bool = True, selective: bool = False) -> None:
     """Make ``module``'s forward run under non-reentrant activation checkpointing (in place).
 
     Only a forward with gradients enabled is checkpointed; ``torch.no_grad`` evaluation and generation
@@ -137,9 +183,15 @@ def checkpoint_module(module: nn.Module, preserve_rng_state: bool = True) -> Non
     (``use_cache=True``, ``cache``/``past_key_values``/``layer_past``) is dropped when checkpointing, as
     Hugging Face's own gradient checkpointing does: the recomputation would write it again and read the
     first write back, so forward and recomputation would differ (T5's cross-attention cache). Blocks that
-    only read a cache declare ``_can_checkpoint_with_cache = True`` and keep it.
+    only read a cache declare ``_can_checkpoint_with_cache = True`` and keep it. ``selective``: keep the
+    outputs of attention kernels and every other matmul (``torchloom.parallel.selective_ac``).
     """
     inner = module.forward
+    extra = {}
+    if selective:
+        from ..parallel.selective_ac import selective_context
+
+        extra["context_fn"] = selective_context
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
@@ -152,6 +204,6 @@ def checkpoint_module(module: nn.Module, preserve_rng_state: bool = True) -> Non
                 if kwargs.get(k) is not None:
                     kwargs[k] = None
         fn = functools.partial(inner, **kwargs) if kwargs else inner
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **extra)
 
     module.forward = forward

@@ -59,13 +59,20 @@ class Amp(Method):
 
     def estimate(self, info, dims, hw, step):
         """The matmuls run in the low dtype (``StepShape.compute_dtype``, read by the cost model) on fp32
-        master weights. Without fsdp, autocast caches a low-precision copy of every weight for the forward
+        master weights; the memory-bound traffic shrinks by the analysis' activation-bytes ratio (autocast
+        vs fp32: the share of the tensors that become low precision). Without fsdp, autocast caches a low-precision copy of every weight for the forward
         (kept for backward), and casts each matmul's weight and input (two extra ops per GEMM); with fsdp the
         ``MixedPrecisionPolicy`` casts the shards before the all-gather (priced by fsdp). fp16 adds the loss
         scaler's found-inf all-reduce over the world."""
         from ..search.effects import Collective, Effects, blocks_per_rank, dtype_bytes, rank_params
 
         e = Effects(self.name)
+        # memory-bound traffic (traced in fp32) shrinks as the tensors the ops touch move to the low dtype:
+        # the analysis' saved-activation bytes under autocast vs fp32 measure that share
+        lo = sum(p.act_bytes.get(step.compute_dtype, 0.0) * p.count for p in info.parts)
+        hi = sum(p.act_bytes.get("float32", 0.0) * p.count for p in info.parts)
+        if lo and hi:
+            e.other_scale = min(1.0, lo / hi)
         if "fsdp" not in step.methods:
             # the analysis measured the copies per part; without it every weight is assumed copied
             nb, per = max(info.num_blocks, 1), blocks_per_rank(info, dims)

@@ -82,11 +82,11 @@ def predict(cand: Candidate, info: ModelInfo, hw: Hardware, *, memory_limit: flo
             if n == 0:
                 continue
             extra = 0.0 if is_rest else ops_add
-            f = _pass_time(cache, (i, "f"), part.fwd, mb, dtype, hw, mm, other, ops_scale, extra)
-            b = _pass_time(cache, (i, "b"), part.bwd, mb, dtype, hw, mm, other, ops_scale, 2 * extra)
+            f, f_mm = _pass_time(cache, (i, "f"), part.fwd, mb, dtype, hw, mm, other, ops_scale, extra)
+            b, _ = _pass_time(cache, (i, "b"), part.bwd, mb, dtype, hw, mm, other, ops_scale, 2 * extra)
             tf, tb = tf + n * f, tb + n * b
             if not is_rest:
-                tr += n * f * recompute
+                tr += n * recompute * (f - f_mm * (1.0 - c.recompute_matmul_share))
         per_rank.append((tf + tb + tr, tf, tb, tr))
     _, tf, tb, tr = max(per_rank)
     accum = cand.grad_accum
@@ -187,6 +187,7 @@ def compose(cand: Candidate, info: ModelInfo, hw: Hardware) -> Composed:
 
     mm = other = ops_scale = 1.0
     ops_add = recompute = 0.0
+    matmul_share = 1.0
     time_add: dict[str, float] = {}
     collectives: list[tuple[str, Collective]] = []
     pipeline: PipelineShape | None = None
@@ -199,6 +200,8 @@ def compose(cand: Candidate, info: ModelInfo, hw: Hardware) -> Composed:
         ops_scale *= e.ops_scale
         ops_add += e.ops_add
         recompute = min(1.0, recompute + e.recompute_fraction)
+        if e.recompute_fraction:
+            matmul_share = min(matmul_share, e.recompute_matmul_share)
         for k, v in e.time_add.items():
             time_add[f"{e.method}.{k}"] = time_add.get(f"{e.method}.{k}", 0.0) + v
         collectives += [(e.method, c) for c in e.collectives]
@@ -209,7 +212,7 @@ def compose(cand: Candidate, info: ModelInfo, hw: Hardware) -> Composed:
 
     return Composed(step=step, notes=notes, effects=effects, memory=mem, baseline=state, mb=mb,
                     scale_tokens=scale_tokens, matmul_scale=mm, other_scale=other, ops_scale=ops_scale,
-                    ops_add=ops_add, recompute=recompute, time_add=time_add, collectives=collectives,
+                    ops_add=ops_add, recompute=recompute, recompute_matmul_share=matmul_share, time_add=time_add, collectives=collectives,
                     pipeline=pipeline, grads_persistent=grads_persistent, unsharded_grads=unsharded_grads)
 
 # -- baseline ----------------------------------------------------------------------------------------
@@ -287,8 +290,8 @@ def _pass_cache(info: ModelInfo, hw: Hardware) -> dict:
 
 
 def _pass_time(cache: dict, key, pc: PassCost, mb: float, dtype: str, hw: Hardware, mm: float, other: float,
-               ops_scale: float, ops_add: float) -> float:
-    """Seconds of one pass of one part instance at micro-batch ``mb`` (per rank)."""
+               ops_scale: float, ops_add: float) -> tuple[float, float]:
+    """Seconds of one pass of one part instance at micro-batch ``mb`` (per rank): ``(total, matmul part)``."""
     k = (key, mb, dtype, mm, other, ops_scale, ops_add)
     t = cache.get(k)
     if t is not None:
@@ -303,11 +306,12 @@ def _pass_time(cache: dict, key, pc: PassCost, mb: float, dtype: str, hw: Hardwa
     if rest > 0:
         size = max((2.0 * g.m * mb * g.n * g.k * mm for g in pc.matmuls), default=rest)
         t += rest / hw.matmul_rate(dtype, size)
+    t_mm = t
     if hw.mem_bw > 0:
         t += pc.other_bytes * mb * other / hw.mem_bw
     t += (pc.ops * ops_scale + ops_add) * hw.op_overhead_s
-    cache[k] = t
-    return t
+    cache[k] = (t, t_mm)
+    return t, t_mm
 
 
 def _optimizer_time(mem: dict[str, float], step: StepShape, hw: Hardware) -> float:

@@ -119,6 +119,8 @@ class Effects:
             and op count of every forward/backward pass.
         ops_add: extra dispatched ops per block instance per forward pass (backward: twice as many).
         recompute_fraction: fraction of the rank's block forward recomputed in backward.
+        recompute_matmul_share: share of that forward's matmul time actually recomputed (selective
+            checkpointing keeps some matmul outputs); the memory-bound and per-op parts are recomputed whole.
         time_add: seconds per optimizer step by label (added to the step time as they are).
         grads_persistent: the gradients stay allocated across steps (counted in the backward peak).
         grads_unsharded_accum: bytes per rank of the gradients while micro-batches accumulate without a
@@ -136,6 +138,7 @@ class Effects:
     ops_scale: float = 1.0
     ops_add: float = 0.0
     recompute_fraction: float = 0.0
+    recompute_matmul_share: float = 1.0
     time_add: dict[str, float] = field(default_factory=dict)
     grads_persistent: bool = False
     grads_unsharded_accum: float = 0.0
