@@ -58,7 +58,8 @@ class StepMeasurement:
             ``peak_memory_bytes``; empty where the method gives no breakdown (CUDA allocator).
         state_bytes: bytes of the local parameters, gradients and optimizer state the largest rank holds
             right after a step (gradients are freed by ``zero_grad(set_to_none=True)``, so usually 0).
-        memory_method: ``"memtracker"``, ``"fsdp_memtracker"`` or ``"cuda_max_memory_allocated"``.
+        memory_method: ``"memtracker"``, ``"fsdp_memtracker"`` or ``"cuda_max_memory_allocated"``;
+            ``"+ddp_buckets"`` appended when DDP's gradient buckets were added.
         memory_error: why the memory could not be measured, else ``""``.
         world_size / steps / warmup: the run's shape.
     """
