@@ -243,3 +243,18 @@ def test_mixtral_experts_counted_as_routed():
     assert {(m.m, m.n, m.k, m.count) for m in block.fwd.matmuls} >= {(S * 2 // 4, 256, 64, 4), (S * 2 // 4, 64, 128, 4)}
     # 1% tolerance as above; a trace that ran every expert on every token would be 2x off in the experts
     assert _total_act(info, "float32") == pytest.approx(_saved_on_real_run(model, S), rel=0.01)
+
+
+def test_loss_forms_auto_accelerate_accepts():
+    """SumLoss (loom train's loss) and a tuple led by the loss trace like the plain scalar (the same graph)."""
+    from torchloom import SumLoss
+
+    d, t = 16, 10
+    batch = (torch.randn(1, t, 8), torch.randn(1, t, 2))
+    infos = [analyze_model(_Net(d), seq_len=t, sample_input=batch, input_format="unpack_sequence", loss_func=f)
+             for f in (lambda b, out: ((out - b[1]) ** 2).sum(),
+                       lambda b, out: SumLoss(((out - b[1]) ** 2).sum(), 2 * t),
+                       lambda b, out: (((out - b[1]) ** 2).sum(), {"aux": 1}))]
+    assert infos[0].rest.bwd.matmul_flops > 0
+    assert all(i.rest.bwd.matmul_flops == infos[0].rest.bwd.matmul_flops for i in infos)
+    assert all(i.rest.act_bytes == infos[0].rest.act_bytes for i in infos)

@@ -277,7 +277,16 @@ class _Analysis:
 
     def _loss(self, batch, output):
         if self.loss_func is not None:
-            return self.loss_func(batch, output)
+            # the forms auto_accelerate accepts: a scalar, a tuple led by it, or SumLoss (its summed total:
+            # the same graph whatever the normalisation)
+            from ..train_step import SumLoss
+
+            loss = self.loss_func(batch, output)
+            if isinstance(loss, SumLoss):
+                return loss.total
+            if isinstance(loss, (tuple, list)) and loss and isinstance(loss[0], torch.Tensor):
+                return loss[0]
+            return loss
         loss = getattr(output, "loss", None)
         if loss is None and isinstance(output, dict):
             loss = output.get("loss")
