@@ -276,8 +276,9 @@ def check(cand: Candidate, info: ModelInfo) -> str | None:
     """Why ``auto_accelerate`` would reject ``cand`` (:func:`torchloom.search.validate.validate_strategy`: the
     strategy's conflicts and requirements, the mesh and schedule checks its methods' ``configure`` makes, then
     each method's ``validate(info, dims)`` with the whole strategy in view), or None when it passes. Memoised per model signature, degrees and methods (not the batch split)."""
-    key = json.dumps([info.signature or id(info), cand.dims.as_dict(), [[n, c] for n, c in cand.methods]],
-                     sort_keys=True, default=str)
+    model = info.signature or [info.name, info.n_params, info.num_blocks, info.block_classes, info.dims,
+                               id(info.module)]  # hand-built infos have no signature
+    key = json.dumps([model, cand.dims.as_dict(), [[n, c] for n, c in cand.methods]], sort_keys=True, default=str)
     if key in _CHECKED:
         return _CHECKED[key]
     reason = _check(cand, info)
