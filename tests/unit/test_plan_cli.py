@@ -72,14 +72,14 @@ def test_strategy_is_evaluated_not_searched():
     from torchloom.search.presets import resolve_model
 
     r = _plan("llama3-70b", *CLUSTER_70B, "--global-batch", "256", "--json",
-              "--strategy", "[{parallel_mode: {tp: 8}}, fsdp, {amp: {dtype: bfloat16}}, checkpoint]")
+              "--strategy", "[{parallel_mode: {tp: 8}}, tensor_parallel, fsdp, {amp: {dtype: bfloat16}}, checkpoint]")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["mode"] == "strategy" and d["evaluated"] == 1 and len(d["candidates"]) == 1
     c = d["candidates"][0]
     assert c["candidate"]["dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 128, "ep": 1, "tp": 8}
     assert c["candidate"]["micro_batch"] == 2 and c["candidate"]["grad_accum"] == 1  # 256 / dp 128
-    assert [n for n, _ in c["candidate"]["methods"]] == ["fsdp", "amp", "checkpoint"]
+    assert [n for n, _ in c["candidate"]["methods"]] == ["tensor_parallel", "fsdp", "amp", "checkpoint"]
     # the same numbers as the cost model gives that candidate directly
     cand = Candidate.from_dict(c["candidate"])
     want = predict(cand, resolve_model("llama3-70b").analyze(8192),
@@ -155,6 +155,8 @@ def test_bad_strategy_is_named():
     assert r.exit_code == 2 and "nosuchmethod" in r.stderr
     r = _plan("default", "--gpu", "a100", "--gpus", "4", "--global-batch", "6", "--strategy", "ddp")
     assert r.exit_code == 2 and "global batch 6 does not split over 4 data-parallel ranks" in r.stderr
+    r = _plan("default", "--gpu", "a100", "--gpus", "4", "--strategy", "[{parallel_mode: {tp: 2}}, ddp]")
+    assert r.exit_code == 2 and "'tp' dimension" in r.stderr  # the error auto_accelerate would give
 
 
 def test_model_that_fits_nothing_says_by_how_much_and_what_would_fit():

@@ -207,14 +207,11 @@ def strategy_candidate(text: str, info, world: int, global_batch: int, seq_len: 
     """
     from ..api import plan_dims
     from ..strategy.config import config_to_dict
-    from ..strategy.data_parallel import replicating_data_parallel
+    from .validate import validate_strategy
 
-    strat = parse_strategy_option(text)
-    dims = plan_dims(strat, world)
-    if dims.dp > 1 and not any(type(m).data_parallel for m in strat.ordered()):
-        strat = strat.with_method(replicating_data_parallel("tensor_parallel" in strat)[1])
-    for m in strat.ordered():
-        m.validate(info, dims)
+    given = parse_strategy_option(text)
+    dims = plan_dims(given, world)
+    strat = validate_strategy(given, info, dims)  # with the data-parallel method auto_accelerate adds
     methods = tuple((e.name, config_to_dict(e.config)) for e in strat.entries
                     if not e.implied and e.name != "parallel_mode")
     dp = dims.dp
