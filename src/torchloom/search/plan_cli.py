@@ -304,14 +304,16 @@ def render_table(report: PlanReport, top: int = 10) -> str:
         lines.append(f"searched {report.evaluated:,} candidates in {report.wall_s:.2f} s; "
                      f"{len(report.rows):,} fit; best {min(top, len(report.rows))} shown (--top)")
     lines += [f"note     {n}" for n in report.notes]
-    head = (f"{'#':>3}  {'candidate':<44} {'step s':>8} {'tok/s/dev':>10} {'MFU':>6} {'peak TF/s':>9}  "
+    width = max([9, *(len(r.candidate.label()) for r in report.rows[:top])])
+    width = min(width, 100)
+    head = (f"{'#':>3}  {'candidate':<{width}} {'step s':>8} {'tok/s/dev':>10} {'MFU':>6} {'peak TF/s':>9}  "
             + " ".join(f"{c[:6]:>6}" for c in MEMORY_ORDER) + f" {'total':>7} {'limit':>6}  (GiB)")
     lines += ["", head, "-" * len(head)]
     for r in report.rows[:top]:
         p = r.prediction
         mem = " ".join(f"{p.memory.get(c, 0.0) / GiB:6.1f}" for c in MEMORY_ORDER)
         flag = "" if p.fits else "  DOES NOT FIT"
-        lines.append(f"{r.rank:>3}  {_clip(r.candidate.label(), 44):<44} {p.step_time_s:8.3f} "
+        lines.append(f"{r.rank:>3}  {_clip(r.candidate.label(), width):<{width}} {p.step_time_s:8.3f} "
                      f"{p.tokens_per_s_per_device:10,.0f} {p.mfu * 100:5.1f}% {p.peak_flops / 1e12:9.1f}  {mem} "
                      f"{p.peak_memory_bytes / GiB:7.1f} {p.memory_limit_bytes / GiB:6.1f}{flag}")
     extra = set().union(*(r.prediction.memory for r in report.rows[:top])) - set(MEMORY_ORDER) if report.rows else ()
