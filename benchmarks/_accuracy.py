@@ -220,6 +220,7 @@ def published_rows() -> list[dict]:
 # ---------------------------------------------------------------------------------------------- outputs
 def plot(rows: list[dict], path: Path, subtitle: str = "") -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -244,6 +245,10 @@ def plot(rows: list[dict], path: Path, subtitle: str = "") -> None:
             ax.set_ylim(lo, hi)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # labels at 1, 2, 5 x 10^k in plain numbers; minor ones overlap
+            axis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel(f"measured {title} ({unit})")
         ax.set_ylabel(f"predicted {title} ({unit})")
         ax.set_title(f"{title} (solid: equal, dotted: ±10%)", fontsize=10)
@@ -291,8 +296,23 @@ def render(summary: dict) -> str:
          "parameters; DDP's gradient buckets, allocated in C++, added), the largest rank. Not counted: the "
          "~0.5 GiB PyTorch runtime, allocator fragmentation, gloo's scratch buffers.",
          "- Models: " + "; ".join(f"`{m}`: {d['desc']}" for m, d in summary["models"].items()) + ".",
-         "- Each process runs `OMP_NUM_THREADS = max(1, 2 // nproc)` threads, as `loom run` sets; on 4 "
-         "processes the 2 cores are shared.", "",
+         "- Each process runs `OMP_NUM_THREADS = max(1, cores // nproc)` threads, as `loom run` sets; on this "
+         "2-core machine 4 processes share the cores.",
+         "- One launch per world size runs every candidate in turn on a fresh copy of the model (the trial's "
+         "groups are kept, not destroyed, between candidates); `--rounds N` repeats the grid interleaved and "
+         "keeps the median (use it on a noisy machine).", "",
+         "## How to run", "",
+         "```bash",
+         ".venv/bin/python benchmarks/search_accuracy.py                 # measure, predict, compare, auto (~12 min)",
+         ".venv/bin/python benchmarks/search_accuracy.py --quick         # smaller grid, fewer steps",
+         ".venv/bin/python benchmarks/search_accuracy.py --measure-only  # benchmarks/results/search_grid_*.json",
+         ".venv/bin/python benchmarks/search_accuracy.py --predict-only  # compare with the saved measurements",
+         ".venv/bin/python benchmarks/search_accuracy.py --measure-only --models default --worlds 4 --only \"pp2 tp2\"",
+         "                                                               # rerun some candidates, merged",
+         "```", "",
+         "Outputs: `benchmarks/results/search_grid_<model>_w<N>.json` (measurements, machine, load), "
+         "`benchmarks/results/search_accuracy.json` (predictions, errors, metrics), this page and "
+         "`docs/images/search_accuracy.png`.", "",
          "## Results", "",
          "Targets (issue [7]): median step-time error ≤ 10% (aim 5%), peak-memory error ≤ 10% (aim 5%), "
          "Spearman ≥ 0.9, predicted best = measured best or within 3%, `strategy=\"auto\"` regret ≤ 3%, search "
@@ -322,7 +342,9 @@ def render(summary: dict) -> str:
               "`auto_accelerate(strategy=\"auto\", search={\"cache\": False})` on the same model, world size and "
               "global batch: the search wall time (analysis, calibration from the cache, predictions, confirming "
               "trials), the plan it chose, that plan measured afterwards, and the grid's best measured candidate "
-              "measured again in the same launch (same load).", "",
+              "measured again in the same launch (same load). A negative regret: the search found a plan "
+              "outside the grid that beats the grid's best." + (
+                  f" Run {summary['auto'][0]['date_utc']}." if summary["auto"][0].get("date_utc") else ""), "",
               "| model | procs | search s | chosen (by) | chosen ms | grid best | best ms | regret |",
               "|---|---|---|---|---|---|---|---|"]
         for a in summary["auto"]:
@@ -404,7 +426,10 @@ def report(models: list[str], worlds: list[int], auto: bool = True, quick: bool 
             ok = [r for r in (g["rows"] if g else []) if r.get("measured_s")]
             best = min(ok, key=lambda r: r["measured_s"])["candidate"] if ok else None
             print(f"strategy='auto' on {w} processes ...", flush=True)
-            auto_rows.append(run_auto("default", w, best, auto_time_limit_s))
+            auto_rows.append({**run_auto("default", w, best, auto_time_limit_s),
+                              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ")})
+    elif (RESULTS / "search_accuracy.json").exists():  # --no-auto: keep the last run's rows (dated)
+        auto_rows = json.loads((RESULTS / "search_accuracy.json").read_text()).get("auto", [])
     summary = {
         "command": " ".join(["benchmarks/search_accuracy.py", *sys.argv[1:]]), "machine": machine(),
         "date_utc": min(d for d in dates if d) if any(dates) else time.strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -413,7 +438,9 @@ def report(models: list[str], worlds: list[int], auto: bool = True, quick: bool 
         "groups": groups, "overall": overall, "auto": auto_rows, "quick": quick, "published": published_rows(),
     }
     (RESULTS / "search_accuracy.json").write_text(json.dumps(summary, indent=1, default=str))
-    plot(all_rows, PNG, f" ({summary['machine']['cpu']}, {summary['date_utc'][:10]}, load {summary['load']})")
+    span = f"{min(loads):.0f}–{max(loads):.0f}" if loads else "unknown"
+    plot(all_rows, PNG, f"\n({summary['machine']['cpu']}, {summary['machine']['cores']} cores, "
+                        f"{summary['date_utc'][:10]}, 1-min load {span})")
     DOC.write_text(render(summary))
     print(render(summary))
     print(f"wrote {DOC.relative_to(ROOT)}, {PNG.relative_to(ROOT)}, "
