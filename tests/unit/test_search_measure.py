@@ -163,3 +163,19 @@ def test_tracker_accepts_a_root_module_run_twice_in_one_step():
         step(MemTracker)
     A, W = 512 * 256 * 4, 256 * 256 * 4
     assert step(measure_mod._repeatable_tracker_class()) >= 2 * A + W
+
+
+def test_fsdp_model_uses_the_fsdp_tracker_and_maps_its_categories():
+    # one-rank FSDP2 (nothing sharded away): FSDPMemTracker's "Sharded Param"/"OptState"/"Activation" map to
+    # params P, optimizer 2P (+4-byte steps) and the L saved ReLU outputs (A bytes each), as without FSDP
+    torch.manual_seed(0)
+    L, h, B = 4, 64, 1024
+    model = nn.Sequential(*[m for _ in range(L) for m in (nn.Linear(h, h, bias=False), nn.ReLU())])
+    res = torchloom.auto_accelerate(model, torch.optim.AdamW, None, lambda b, o: o.pow(2).mean(), strategy=["fsdp"],
+                                    optim_args={"lr": 1e-3, "foreach": False}, dataloader_args={"batch_size": B})
+    m = measure_steps(res, [torch.randn(B, h)], steps=1, warmup=1)
+    P, A = L * h * h * 4, B * h * 4
+    assert m.memory_method == "fsdp_memtracker"
+    assert m.memory["params"] == P and m.memory["optimizer"] == 2 * P + 4 * L
+    assert L * A <= m.memory["activations"] <= L * A + 64
+    assert sum(m.memory.values()) == m.peak_memory_bytes

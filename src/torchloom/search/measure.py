@@ -255,19 +255,15 @@ def _repeatable_tracker_class():
 
 
 def _fsdp_category(name: str) -> str:
-    """FSDPMemTracker's finer names (``Sharded Param``, ``Unsharded Grad``, ``All-Gather``, ...)."""
-    low = name.lower()
-    if "optstate" in low or "optimizer" in low:
-        return "optimizer"
-    if "unsharded" in low or "all-gather" in low or "reduce-scatter" in low or "temp" in low:
-        return "temporary"
-    if "grad" in low:
-        return "grads"
-    if "param" in low or "buffer" in low:
-        return "params"
-    if "act" in low:
-        return "activations"
-    return "temporary"
+    """FSDPMemTracker's finer names (torch 2.13 ``_FSDPRefType``): the gathered (unsharded) parameters and
+    gradients and the collectives' buffers are per-block transients; anything unknown is temporary."""
+    return _FSDP_CATEGORY.get(name, "temporary")
+
+
+_FSDP_CATEGORY = {"Sharded Param": "params", "Buffer": "params", "Sharded Grad": "grads", "OptState": "optimizer",
+                  "Activation": "activations", "Inputs": "activations", "Unsharded Param": "temporary",
+                  "Unsharded Grad": "temporary", "All Gather": "temporary", "Reduce Scatter": "temporary",
+                  "Temp": "temporary"}
 
 
 def model_state_bytes(res: Any) -> dict[str, int]:
