@@ -3,7 +3,7 @@ what the cost model predicts for it (step time, peak memory per rank), and the p
 chooses is compared with the best measured one.
 
     .venv/bin/python benchmarks/search_accuracy.py                  # measure, predict, compare (~10 min)
-    .venv/bin/python benchmarks/search_accuracy.py --quick          # a smaller grid (~4 min)
+    .venv/bin/python benchmarks/search_accuracy.py --quick          # smaller grid; *_quick files in results/
     .venv/bin/python benchmarks/search_accuracy.py --measure-only   # write benchmarks/results/*.json only
     .venv/bin/python benchmarks/search_accuracy.py --predict-only   # compare against the saved JSON
 
@@ -24,7 +24,8 @@ interleaved, and keeps the median). Time and memory come from :func:`torchloom.s
 (the same function the search's confirming trials use): median step time of the slowest rank; peak of live
 tensor bytes during one extra, untimed step (MemTracker), max over ranks.
 
-Outputs: ``benchmarks/results/search_grid_<model>_w<N>.json`` (measurements, machine, load), and with
+Outputs: ``benchmarks/results/search_grid_<model>_w<N>.json`` (measurements, machine, load; ``--quick``:
+``..._w<N>_quick.json``), and with
 predictions ``benchmarks/results/search_accuracy.json`` (per-candidate errors and the metrics) and
 ``docs/images/search_accuracy.png`` (log-log predicted vs measured).
 """
@@ -264,6 +265,12 @@ def measure(models: list[str], worlds: list[int], quick: bool, steps: int | None
         log_path.unlink(missing_ok=True)
 
 
+def grid_path(model: str, world: int, quick: bool = False) -> Path:
+    """Where the measurements of ``model`` on ``world`` processes are saved (``--quick`` grids apart, so a
+    quick run never replaces a full one)."""
+    return RESULTS / f"search_grid_{model}_w{world}{'_quick' if quick else ''}.json"
+
+
 def write_results(rows: list[dict], meta: dict) -> list[Path]:
     """Write ``search_grid_<model>_w<N>.json`` for every model of ``meta["models"]`` from ``rows``. With
     ``meta["only"]`` (a rerun of some candidates) the new entries replace those of the existing file and
@@ -273,7 +280,7 @@ def write_results(rows: list[dict], meta: dict) -> list[Path]:
         mine = [r for r in rows if r["model"] == m]
         if not mine and (meta.get("partial") or meta.get("only")):
             continue  # not reached yet / not rerun: keep the existing file
-        path = RESULTS / f"search_grid_{m}_w{meta['world_size']}.json"
+        path = grid_path(m, meta["world_size"], meta.get("quick", False))
         cands = _merge_rounds(mine)
         out = {"model": m, "model_config": _model_config_dict(m), "global_batch": MODELS[m]["global_batch"],
                "steps": mine[0]["steps"] if mine else None, "warmup": mine[0]["warmup"] if mine else None,
