@@ -218,8 +218,9 @@ def test_memory_pruning_picks_the_least_checkpointing_that_fits():
     chosen = tight.ranked[0]
     assert chosen.candidate.config("checkpoint") == {"every_k": 2}
     assert chosen.prediction.peak_memory_bytes <= no_ac * 0.99
-    assert [e.candidate.config("checkpoint") for e in tight.evaluated] == [None, {"every_k": 4}, {"every_k": 2}]
-    assert [e.fits for e in tight.evaluated] == [False, False, True]
+    # probed: none (too big), every block (fits), then bisection: every 4th (too big), every 2nd (fits)
+    assert [e.candidate.config("checkpoint") for e in tight.evaluated] == [None, {}, {"every_k": 4}, {"every_k": 2}]
+    assert [e.fits for e in tight.evaluated] == [False, True, False, True]
 
 
 def test_a_model_that_fits_nowhere_says_by_how_much_and_what_would_fit():

@@ -14,18 +14,23 @@ def _prediction_from_dict(d: dict[str, Any] | None) -> Prediction | None:
 
 @dataclass
 class Evaluated:
-    """One predicted candidate: its prediction and whether it fits memory (with the search's headroom)."""
+    """One predicted candidate: its prediction, whether it fits memory (with the search's headroom), and
+    whether the model-structure checks ran on it (``validated``; only the best ranked get them, see
+    :func:`torchloom.search.search.search`)."""
 
     candidate: Candidate
     prediction: Prediction
     fits: bool
+    validated: bool = True
 
     def to_dict(self) -> dict[str, Any]:
-        return {"candidate": self.candidate.to_dict(), "prediction": self.prediction.to_dict(), "fits": self.fits}
+        return {"candidate": self.candidate.to_dict(), "prediction": self.prediction.to_dict(), "fits": self.fits,
+                "validated": self.validated}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Evaluated":
-        return cls(Candidate.from_dict(d["candidate"]), _prediction_from_dict(d["prediction"]), bool(d["fits"]))
+        return cls(Candidate.from_dict(d["candidate"]), _prediction_from_dict(d["prediction"]), bool(d["fits"]),
+                   bool(d.get("validated", True)))
 
 
 @dataclass

@@ -6,6 +6,7 @@ their results (``runner.run_trials``), so every rank chooses the same plan witho
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -31,6 +32,8 @@ log = logging.getLogger("torchloom.search")
 #: ``functools.partial(torchloom.search.runner.run_trials, make_model=..., optim_func=..., ...)``.
 Runner = Callable[..., Sequence[Any]]
 Predictor = Callable[[Candidate, ModelInfo, Hardware], Prediction]
+#: ranked candidates checked against the model's structure (the rest only against its architecture sizes)
+FULL_CHECKS = 64
 
 
 def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_size: int, global_batch: int,
@@ -77,16 +80,22 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
     result = SearchResult(chosen=None, chosen_by="predicted", world_size=world_size,  # type: ignore[arg-type]
                           global_batch=global_batch, seq_len=seq_len)
     _count_pruned(result, space)
-    _predict_all(space, info, hw, predict, usable, seq_len, options, result)
+    # the hooks' architecture-size checks for every candidate; the model-structure checks in rank order below
+    light = dataclasses.replace(info, module=None) if info.module is not None else info
+    _predict_all(space, info, light, hw, predict, usable, seq_len, options, result)
     if not result.ranked and hw.device_type != "cpu" and "cpu_offload" not in options.exclude:
         offload = enumerate_space(info, world_size, global_batch, options, ranks_per_node=ranks_per_node, offload=True)
-        _predict_all(offload, info, hw, predict, usable, seq_len, options, result)
+        _predict_all(offload, info, light, hw, predict, usable, seq_len, options, result)
         if result.ranked:
             result.notes.append("nothing fits in device memory without CPU offload: ranked the fsdp cpu_offload "
                                 "candidates")
     if not result.ranked:
         raise StrategyError(_no_fit_message(result, info, world_size, hw, usable, options))
     result.ranked.sort(key=lambda e: (-e.prediction.tokens_per_s, e.candidate.key()))
+    if light is not info:
+        _check_structure(result, info, max(FULL_CHECKS, options.top_k))
+    if not result.ranked:
+        raise StrategyError(_no_fit_message(result, info, world_size, hw, usable, options))
     result.chosen = result.ranked[0].candidate
     top = [e for e in result.ranked[: options.top_k]]
     if runner is not None and top:
@@ -121,8 +130,10 @@ def _reason_kind(why: str) -> str:
     return re.sub(r"\d+(\.\d+)?", "N", why.split(". ")[0])[:100]
 
 
-def _predict_all(space: Space, info, hw, predict, usable: float, seq_len: int, options, result) -> None:
-    """Per base: ``check``, then the checkpointing levels from least recompute until one fits."""
+def _predict_all(space: Space, info, check_info, hw, predict, usable: float, seq_len: int, options, result) -> None:
+    """Per base: ``check`` (against ``check_info``), then the least checkpointing that fits: the levels run
+    from none to every block and the predicted peak does not grow along them, so: none (fits: done), every
+    block (does not fit: nothing will), then a bisection between (at most ~log2(levels) more predictions)."""
     levels = ac_levels(info, options)
     hopeless: set[str] = set()  # groups where a smaller micro-batch already fit at no checkpointing level
     for base in space.bases:
@@ -131,30 +142,74 @@ def _predict_all(space: Space, info, hw, predict, usable: float, seq_len: int, o
             continue
         base = base if base.seq_len == seq_len else Candidate(base.dims, base.methods, base.micro_batch,
                                                               base.grad_accum, seq_len)
-        why = check(base, info)
+        why = check(base, check_info)
         if why:
             _reject(result, why)
             continue
-        for level in levels:
-            cand = with_extra(base, None if level is None else ("checkpoint", level))
-            if level is not None:
-                why = check(cand, info)
-                if why:
-                    _reject(result, why)
-                    break
-            try:
-                pred = predict(cand, info, hw)
-            except StrategyError as e:  # an estimate hook found what validate did not (e.g. too few units)
-                _reject(result, str(e))
-                break
-            fits = pred.peak_memory_bytes <= usable
-            ev = Evaluated(cand, pred, fits)
-            result.evaluated.append(ev)
-            if fits:
-                result.ranked.append(ev)
-                break
-        else:
+        probed: dict[int, Evaluated | None] = {}
+
+        def probe(i: int) -> Evaluated | None:
+            """Evaluated for level ``i`` (None: rejected by a check or an estimate hook)."""
+            if i not in probed:
+                probed[i] = _evaluate(with_extra(base, None if levels[i] is None else ("checkpoint", levels[i])),
+                                      levels[i] is not None, info, check_info, hw, predict, usable, result)
+            return probed[i]
+
+        first = probe(0)
+        if first is None:
+            continue
+        if first.fits:
+            result.ranked.append(first)
+            continue
+        last = probe(len(levels) - 1) if len(levels) > 1 else first
+        if last is None or not last.fits:
             hopeless.add(group)
+            continue
+        lo, hi = 0, len(levels) - 1  # lo does not fit, hi fits
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            ev = probe(mid)
+            if ev is not None and ev.fits:
+                hi = mid
+            else:
+                lo = mid
+        result.ranked.append(probed[hi])
+
+
+def _evaluate(cand, checked: bool, info, check_info, hw, predict, usable, result) -> Evaluated | None:
+    if checked:
+        why = check(cand, check_info)
+        if why:
+            _reject(result, why)
+            return None
+    try:
+        pred = predict(cand, info, hw)
+    except StrategyError as e:  # an estimate hook found what validate did not (e.g. too few units)
+        _reject(result, str(e))
+        return None
+    ev = Evaluated(cand, pred, pred.peak_memory_bytes <= usable)
+    result.evaluated.append(ev)
+    return ev
+
+
+def _check_structure(result: SearchResult, info: ModelInfo, keep: int) -> None:
+    """The model-structure checks (``validate`` hooks on the meta-device module: TP plan resolution, the
+    pipeline's stage plan; ~10 ms each on a 70B model) in rank order, until ``keep`` candidates passed: those
+    failing leave the ranking (counted in ``pruned_reasons``); the ones below stay, ``validated=False``."""
+    kept, out = 0, []
+    for i, e in enumerate(result.ranked):
+        if kept >= keep:
+            for rest in result.ranked[i:]:
+                rest.validated = False
+            out += result.ranked[i:]
+            break
+        why = check(e.candidate, info)
+        if why:
+            _reject(result, why)
+            continue
+        kept += 1
+        out.append(e)
+    result.ranked = out
 
 
 def _group_key(c: Candidate) -> str:

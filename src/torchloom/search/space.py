@@ -275,13 +275,30 @@ _CHECKED: dict[str, str | None] = {}
 def check(cand: Candidate, info: ModelInfo) -> str | None:
     """Why ``auto_accelerate`` would reject ``cand`` (:func:`torchloom.search.validate.validate_strategy`: the
     strategy's conflicts and requirements, the mesh and schedule checks its methods' ``configure`` makes, then
-    each method's ``validate(info, dims)`` with the whole strategy in view), or None when it passes. Memoised per model signature, degrees and methods (not the batch split)."""
-    model = info.signature or [info.name, info.n_params, info.num_blocks, info.block_classes, info.dims,
-                               id(info.module)]  # hand-built infos have no signature
-    key = json.dumps([model, cand.dims.as_dict(), [[n, c] for n, c in cand.methods]], sort_keys=True, default=str)
+    each method's ``validate(info, dims)`` with the whole strategy in view), or None when it passes.
+
+    Memoised per model, degrees and methods without the batch split: the pipeline's micro-batch count is
+    checked on its own with ``pipeline_parallel``'s rule (the only check that reads it), the rest once per
+    group. ``info.module=None`` runs the hooks' architecture-size checks only (fast); with the meta-device
+    module they run the model-structure checks ``apply`` makes (TP plan resolution, pipeline stage plan)."""
+    pp_cfg = cand.config("pipeline_parallel")
+    if pp_cfg and pp_cfg.get("num_microbatches") is not None:
+        from ..methods.pipeline_parallel import PipelineConfig, _check_microbatches
+
+        try:
+            _check_microbatches(PipelineConfig(**pp_cfg), cand.dims.pp)
+        except StrategyError as e:
+            return str(e)
+    methods = [[n, {k: v for k, v in c.items() if not (n == "pipeline_parallel" and k == "num_microbatches")}]
+               for n, c in cand.methods]
+    model = info.signature or [info.name, info.n_params, info.num_blocks, info.block_classes, info.dims]
+    key = json.dumps([model, info.module is not None, id(info.module) if not info.signature else 0,
+                      cand.dims.as_dict(), methods], sort_keys=True, default=str)
     if key in _CHECKED:
         return _CHECKED[key]
-    reason = _check(cand, info)
+    rep = Candidate(cand.dims, tuple((n, dict(c)) for n, c in methods), cand.micro_batch, cand.grad_accum,
+                    cand.seq_len)
+    reason = _check(rep, info)
     if len(_CHECKED) > 200_000:
         _CHECKED.clear()
     _CHECKED[key] = reason
