@@ -13,9 +13,9 @@ bandwidth", 400 Gb/s RDMA per GPU, 500 W power limit (the same page). Our table'
 stays the SXM datasheet's: torchtitan's own note says the real peak lies between SXM and NVL and is unknown).
 
 Selective activation checkpointing (torchtitan's ``op`` policy: saves the SDPA outputs and every other matmul
-output, recomputes the rest) has no ``checkpoint`` mode yet; when the method's config has no ``mode`` field the
-script prints the two bounds the cost model can represent: no checkpointing (least recompute, most memory) and
-checkpointing every block (most recompute, least memory), and compares with the nearer bound per column.
+output, recomputes the rest) is ``{"checkpoint": {"mode": "selective"}}``. Should the method's config lose its
+``mode`` field, the script prints the two bounds the cost model can represent instead: no checkpointing (least
+recompute, most memory) and checkpointing every block (most recompute, least memory).
 
 Run:  .venv/bin/python benchmarks/plan_published.py [--json]
 """
