@@ -176,9 +176,24 @@ def _predict_all(space: Space, info, check_info, hw, predict, usable: float, seq
         result.ranked.append(probed[hi])
 
 
+_AC_CHECKED: dict[str, str | None] = {}
+
+
+def _ac_check(cand: Candidate, check_info: ModelInfo) -> str | None:
+    """``check`` of a base (already checked) plus a checkpointing level, memoised per model, method names and
+    level: checkpointing declares no mesh dimension and its ``validate`` reads the module's blocks only, so
+    the answer does not depend on the degrees or the other methods' configs (saves a Strategy build per
+    candidate and level on large worlds)."""
+    key = repr((check_info.signature or id(check_info), check_info.module is not None, tuple(cand.names),
+                sorted((cand.config("checkpoint") or {}).items())))
+    if key not in _AC_CHECKED:
+        _AC_CHECKED[key] = check(cand, check_info)
+    return _AC_CHECKED[key]
+
+
 def _evaluate(cand, checked: bool, info, check_info, hw, predict, usable, result) -> Evaluated | None:
     if checked:
-        why = check(cand, check_info)
+        why = _ac_check(cand, check_info)
         if why:
             _reject(result, why)
             return None
