@@ -73,3 +73,17 @@ def trials_then_real_run() -> dict:
              "mesh_restored": loom_mesh._CURRENT is mesh_before, "rank": dist.get_rank()}
     after = real_run()
     return {"reference": reference, "after": after, "results": [r.to_dict() for r in results], **state}
+
+
+def tp_trials_after_tp() -> list:
+    """4 ranks: tensor-parallel trials whose tp views have the same layout ([[0, 1], [2, 3]]) on different
+    meshes. The DTensor dispatch cache compares meshes by layout: without clearing it a later trial reused
+    output specs naming the first trial's destroyed groups (found by benchmarks/search_accuracy.py)."""
+    c = lambda dims, methods, mb=4, accum=1: Candidate(dims, tuple(methods), mb, accum, SEQ)  # noqa: E731
+    cands = [c(ParallelDims(dp_shard=2, tp=2), [("fsdp", {}), ("tensor_parallel", {})]),
+             c(ParallelDims(pp=2, tp=2), [("tensor_parallel", {}), ("pipeline_parallel", {})], accum=2),
+             c(ParallelDims(dp_shard=2, tp=2), [("fsdp", {}), ("tensor_parallel", {})])]
+    results = run_trials(cands, make_model=fresh_model, optim_func=torch.optim.SGD, optim_args={"lr": 0.1},
+                         dataset=DATA, loss_func=lambda b, o: o.loss, model_input_format="unpack_dict",
+                         dataloader_args={"batch_size": 8}, steps=1, warmup=1)
+    return [(r.status, r.error) for r in results]

@@ -44,3 +44,13 @@ def test_real_run_after_trials_equals_run_without(ranks):
             assert torch.equal(after["params"][k], v), k
         assert torch.equal(after["draws"][0], ref["draws"][0])
         assert after["draws"][1] == ref["draws"][1] and (after["draws"][2] == ref["draws"][2]).all()
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_trials_after_equal_shaped_tp_trial():
+    """4 ranks: fsdp x tp, then pp x tp, then fsdp x tp again: every trial runs (before the fix the second and
+    third failed with "Could not resolve the process group registered under the name N")."""
+    from tests.distributed._search_trial_workers import tp_trials_after_tp
+
+    for per_rank in run_ranks(tp_trials_after_tp, 4, timeout=900):
+        assert [s for s, _ in per_rank] == ["ok", "ok", "ok"], per_rank

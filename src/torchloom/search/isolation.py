@@ -109,3 +109,10 @@ def _clear_dtensor_caches() -> None:
         cache.cache_clear()
     except AttributeError:  # another torch version: nothing of ours is cached there
         pass
+    # torch >= 2.10 also caches sharding decisions in C++ (the DTensor dispatch fast path). Its keys compare
+    # meshes by layout, not by process group, so a later trial with an equal-shaped mesh (a tp view [[0, 1],
+    # [2, 3]] of another 4-rank mesh) would get output specs naming this trial's destroyed groups
+    # ("Could not resolve the process group registered under the name N").
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
