@@ -87,3 +87,15 @@ def tp_trials_after_tp() -> list:
                          dataset=DATA, loss_func=lambda b, o: o.loss, model_input_format="unpack_dict",
                          dataloader_args={"batch_size": 8}, steps=1, warmup=1)
     return [(r.status, r.error) for r in results]
+
+
+def zero_bubble_trials() -> list:
+    """2 ranks: zero-bubble schedules as trials (the CPU memory tracker broke their split backward on one
+    rank and left the other blocked in a recv: a hang), then 1F1B, whose memory is tracked."""
+    c = lambda schedule: Candidate(ParallelDims(pp=2), (("pipeline_parallel", {"schedule": schedule}),),  # noqa: E731
+                                   4, 2, SEQ)
+    results = run_trials([c("zero_bubble"), c("zbv"), c("1f1b")], make_model=fresh_model,
+                         optim_func=torch.optim.SGD, optim_args={"lr": 0.1}, dataset=DATA,
+                         loss_func=lambda b, o: o.loss, model_input_format="unpack_dict",
+                         dataloader_args={"batch_size": 8}, steps=1, warmup=1)
+    return [(r.status, r.error, r.peak_memory_bytes) for r in results]

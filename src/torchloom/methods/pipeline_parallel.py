@@ -154,8 +154,10 @@ class PipelineParallel(Method):
             _check_schedule_fits(c, strategy)
         if info.module is not None:
             from ..parallel.pipeline.build import plan_stages
+            from ..search.validate import memo_model_check
 
-            plan_stages(info.module, c, dims.pp, profile=False)
+            memo_model_check(info.module, ("pipeline_parallel", repr(c), dims.pp),
+                             lambda: plan_stages(info.module, c, dims.pp, profile=False))
         elif dims.pp * c.virtual > info.num_blocks + 2:
             raise StrategyError(
                 f"pipeline_parallel: {dims.pp * c.virtual} stages (pp={dims.pp} x stages_per_rank={c.virtual}) but "

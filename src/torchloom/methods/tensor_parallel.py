@@ -162,10 +162,15 @@ class TensorParallel(Method):
                         f"tensor_parallel: {info.name} {key} = {size} is not divisible by tp={tp}, so the ranks "
                         f"cannot hold equal whole parts. Use a tp degree that divides it or change the model.")
             return
-        plan = auto_plan(model) if self.config.plan == "auto" else custom_plan(model, self.config.plan)
-        resolved = resolve_plan(model, plan)
-        _raise_unmatched([model], [plan], resolved.matched)
-        check_resolved([model], [plan], [resolved], tp, fsdp=fsdp, sequence_parallel=sp)
+        from ..search.validate import memo_model_check
+
+        def check() -> None:
+            plan = auto_plan(model) if self.config.plan == "auto" else custom_plan(model, self.config.plan)
+            resolved = resolve_plan(model, plan)
+            _raise_unmatched([model], [plan], resolved.matched)
+            check_resolved([model], [plan], [resolved], tp, fsdp=fsdp, sequence_parallel=sp)
+
+        memo_model_check(model, ("tensor_parallel", repr(self.config), tp, fsdp, sp), check)
 
     def configure(self, ctx) -> None:
         mode = ctx.strategy.config("parallel_mode")

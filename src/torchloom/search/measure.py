@@ -139,6 +139,11 @@ def measure_steps(res: Any, batches: BatchSource, steps: int = 5, warmup: int = 
     peak, categories, method, error = -1, {}, "", ""
     if track_memory and cuda:
         peak, method = int(torch.cuda.max_memory_allocated()), "cuda_max_memory_allocated"
+    elif track_memory and _split_backward_schedule(res):
+        # MemTracker's module backward hooks break the separate input/weight backward of zero-bubble schedules
+        # on some ranks only ("Failed to run stage backward input"), leaving the peer stage blocked in a recv:
+        # decided from the strategy, so every rank skips alike
+        method, error = "untracked", "no CPU memory tracking under zero-bubble pipeline schedules"
     elif track_memory:
         try:
             peak, categories, method = _tracked_step(res, calls)
@@ -158,6 +163,12 @@ def measure_steps(res: Any, batches: BatchSource, steps: int = 5, warmup: int = 
         peak_memory_bytes=-1 if failed else rows[top]["peak"], rank_peak_bytes=[r["peak"] for r in rows],
         memory={} if failed else rows[top]["categories"], state_bytes=rows[top]["state"],
         memory_method=method, memory_error="; ".join(errors), world_size=len(rows), steps=steps, warmup=warmup)
+
+
+def _split_backward_schedule(res) -> bool:
+    strategy = getattr(res, "strategy", None)
+    config = strategy.config("pipeline_parallel") if strategy is not None else None
+    return getattr(config, "schedule", None) in ("zero_bubble", "zbv")
 
 
 class _Calls:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from typing import Any
 
@@ -22,8 +23,7 @@ def build_config(method: str, cls: type, values: dict[str, Any] | None, key_alia
     for old, new in (key_aliases or {}).items():
         if old in values:
             values[new] = values.pop(old)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
+    fields, hints = _schema(cls)
     for key, value in values.items():
         if key not in fields:
             raise StrategyError(
@@ -32,6 +32,13 @@ def build_config(method: str, cls: type, values: dict[str, Any] | None, key_alia
             )
         values[key] = coerce_value(value, hints[key], f"method '{method}': config key '{key}'", StrategyError)
     return cls(**values)
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(cls: type) -> tuple[dict[str, dataclasses.Field], dict[str, Any]]:
+    """Fields and resolved type hints of a config class (``get_type_hints`` re-evaluates every annotation
+    string on each call: the search builds a strategy per candidate, thousands for a large cluster)."""
+    return {f.name: f for f in dataclasses.fields(cls)}, typing.get_type_hints(cls)
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
