@@ -182,39 +182,24 @@ def run_auto(model: str, world: int, best: dict | None, time_limit_s: float) -> 
 
 
 # ------------------------------------------------------------------------------------ published GPU rows
-#: torchtitan's Llama 3.1 8B benchmark (pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md):
-#: FSDP on H100 (96 GB HBM, 500 W), local batch 2, sequence 8192, selective activation checkpointing, bf16,
-#: no torch.compile. tokens/s per GPU and peak memory per GPU (GiB).
-PUBLISHED = [
-    {"gpus": 8, "tokens_per_s_per_gpu": 5762, "memory_gib": 82.4},
-    {"gpus": 128, "tokens_per_s_per_gpu": 5605, "memory_gib": 67.0},
-]
-PUBLISHED_STRATEGY = "[fsdp, {amp: {dtype: bfloat16}}, {checkpoint: {every_k: 2}}]"
-
-
 def published_rows() -> list[dict]:
-    """``loom plan``'s prediction for each published torchtitan row and its relative error. Our nearest
-    strategy: FSDP (ZeRO-3) + bf16 autocast + checkpointing of every 2nd block (torchtitan's selective AC is
-    op-level: it saves the matmul outputs and recomputes the rest, which we have no method for); the H100
-    row of the accelerator table (80 GB SXM) stands for the 96 GB part (same compute and bandwidth class)."""
-    from torchloom.search.plan_cli import plan
+    """``loom plan``'s prediction for each published torchtitan row and its relative error: the rows,
+    hardware and strategy of ``benchmarks/plan_published.py`` (one configuration, one published number:
+    torchtitan's Llama 3.1 8B, FSDP + bf16 + selective op-level activation checkpointing ``{checkpoint:
+    {mode: selective}}``, on the H100 table entry with the published hosts' 96 GB / 2.4 TB/s put in)."""
+    import plan_published as pp
 
-    out = []
-    for row in PUBLISHED:
-        g = row["gpus"]
-        try:
-            r = plan("llama3.1-8b", gpu="h100", gpus=g, gpus_per_node=8, seq_len=8192, global_batch=2 * g,
-                     micro_batch=2, strategy=PUBLISHED_STRATEGY)
-            p = r.rows[0].prediction
-            tps, mem = p.tokens_per_s_per_device, p.peak_memory_bytes / 2**30
-            out.append({**row, "candidate": r.rows[0].candidate.label(), "predicted_tokens_per_s_per_gpu": tps,
-                        "predicted_memory_gib": mem, "wall_s": r.wall_s,
-                        "tokens_err": (tps - row["tokens_per_s_per_gpu"]) / row["tokens_per_s_per_gpu"],
-                        "memory_err": (mem - row["memory_gib"]) / row["memory_gib"],
-                        "predicted_memory": {k: v / 2**30 for k, v in p.memory.items()}})
-        except Exception as e:  # noqa: BLE001 - the report says it failed
-            out.append({**row, "error": f"{type(e).__name__}: {e}"})
-    return out
+    try:
+        rows = pp.run()
+    except Exception as e:  # noqa: BLE001 - the report says it failed
+        return [{"gpus": g, "tokens_per_s_per_gpu": tps, "memory_gib": gib, "error": f"{type(e).__name__}: {e}"}
+                for _, g, _, tps, gib in pp.ROWS]
+    return [{"gpus": r["gpus"], "row": r["row"], "variant": r["variant"], "hardware": r["hardware"],
+             "candidate": r["candidate"], "strategy": dict(pp.variants())[r["variant"]],
+             "tokens_per_s_per_gpu": r["published_tps_per_gpu"], "memory_gib": r["published_gib"],
+             "predicted_tokens_per_s_per_gpu": r["predicted_tps_per_gpu"], "predicted_memory_gib": r["predicted_gib"],
+             "tokens_err": r["tps_rel_error"], "memory_err": r["memory_rel_error"], "predicted_mfu": r["predicted_mfu"],
+             "predicted_memory": r["memory_gib"], "wall_s": r["wall_s"]} for r in rows]
 
 
 # ---------------------------------------------------------------------------------------------- outputs
@@ -357,13 +342,16 @@ def render(summary: dict, image: str = "images/search_accuracy.png") -> str:
                      f"({a['chosen_by']}) | {a['chosen_measured_s'] * 1e3:.1f} | {_code(a.get('best_label', '–'))} | "
                      f"{best_ms} | {regret} |")
     if summary.get("published"):
+        strategy = next((r["strategy"] for r in summary["published"] if r.get("strategy")), "?")
         L += ["", "### Published GPU results (torchtitan Llama 3.1 8B)", "",
-              "`loom plan llama3.1-8b --gpu h100 --gpus N --gpus-per-node 8 --seq-len 8192 --global-batch 2N "
-              f"--micro-batch 2 --strategy '{PUBLISHED_STRATEGY}'` against `pytorch/torchtitan` "
-              "`benchmarks/llama3_h100_202412_torchtitan.md` (FSDP, H100 96 GB 500 W, local batch 2, sequence "
-              "8192, selective AC, bf16, no compile). Differences: torchtitan's selective AC is op-level (we "
-              "checkpoint every 2nd block); the table's H100 SXM 80 GB stands for the 96 GB part. No constant "
-              "was fitted to these rows. Target: within 20%.", "",
+              "`benchmarks/plan_published.py` (the same rows, hardware and strategy): `loom plan llama3.1-8b "
+              "--gpu h100 --gpus N --gpus-per-node 8 --seq-len 8192 --global-batch 2N --micro-batch 2 "
+              f"--strategy '{strategy}'` with the published hosts' 96 GB HBM2e at 2.4 TB/s against "
+              "`pytorch/torchtitan` `benchmarks/llama3_h100_202412_torchtitan.md` (FSDP, H100 96 GB 500 W, "
+              "local batch 2, sequence 8192, selective op-level AC, bf16, no compile; our `checkpoint` "
+              "`mode=selective` keeps attention outputs and half the weight-matmul outputs, as torchtitan's op "
+              "policy does). The compute peak stays the H100 SXM datasheet's. No constant was fitted to these "
+              "rows. Target: within 20%.", "",
               "| GPUs | published tokens/s/GPU | predicted | err | published GiB | predicted GiB | err |",
               "|---|---|---|---|---|---|---|"]
         for r in summary["published"]:
