@@ -288,3 +288,33 @@ def test_predictions_only_when_no_runner():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SearchOptions.parse(None)
+
+
+# ------------------------------------------------------------------ errors when nothing valid is left (F1)
+def test_pinned_degree_that_does_not_divide_the_world_is_named_not_memory():
+    with pytest.raises(StrategyError) as e:
+        search(info=toy_info(), world_size=2, global_batch=4, hw=toy_hw(ranks=2),
+               options={"top_k": 0, "fixed": {"tp": 3}})
+    msg = str(e.value)
+    assert "tp=3 does not divide the world size 2" in msg and "search fixed tp=3" in msg
+    assert "fits no candidate" not in msg and "more devices" not in msg and "micro-batch" not in msg
+
+
+def test_every_candidate_failing_validate_names_the_validate_message_not_memory():
+    info = toy_info(heads=4)
+    info.dims["num_kv_heads"] = 2  # tp=4 cannot split 2 KV heads
+    with pytest.raises(StrategyError) as e:
+        search(info=info, world_size=4, global_batch=8, hw=toy_hw(ranks=4), options={"top_k": 0, "fixed": {"tp": 4}})
+    msg = str(e.value)
+    assert "no valid candidate on 4 ranks" in msg and "num_kv_heads = 2 is not divisible by tp=4" in msg
+    assert "fits no candidate" not in msg and "more devices" not in msg
+
+
+def test_memory_advice_never_asks_for_fewer_devices_than_there_are():
+    # the state (~3.25 MiB) fits 4 ranks of 1 MiB when sharded; the activations are what overflow
+    info = toy_info(act=50e6)
+    with pytest.raises(StrategyError) as e:
+        search(info=info, world_size=4, global_batch=8, hw=toy_hw(memory=2**20, ranks=4, device="cpu"),
+               options={"top_k": 0, "exclude": ["checkpoint"]})
+    msg = str(e.value)
+    assert "fits no candidate on 4 ranks" in msg and "more devices" not in msg, msg

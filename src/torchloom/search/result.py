@@ -83,6 +83,8 @@ class SearchResult:
         world_size / global_batch / seq_len: what the search planned for.
         elapsed_s: wall time of the whole search (predictions and trials).
         notes: what the search decided and why (warnings included).
+        pruned_examples: per ``pruned_reasons`` key, the first full message of that kind (e.g. a
+            ``validate`` hook's), for the error raised when nothing valid is left (not serialised).
     """
 
     chosen: Candidate
@@ -97,6 +99,7 @@ class SearchResult:
     seq_len: int = 0
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    pruned_examples: dict[str, str] = field(default_factory=dict)
 
     @property
     def chosen_prediction(self) -> Prediction | None:

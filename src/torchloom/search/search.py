@@ -89,13 +89,15 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
         if result.ranked:
             result.notes.append("nothing fits in device memory without CPU offload: ranked the fsdp cpu_offload "
                                 "candidates")
+    if not result.evaluated:  # nothing survived pruning and validate: not a memory problem
+        raise StrategyError(_no_valid_message(result, world_size, options))
     if not result.ranked:
         raise StrategyError(_no_fit_message(result, info, world_size, hw, usable, options))
     result.ranked.sort(key=lambda e: (-e.prediction.tokens_per_s, e.candidate.key()))
     if light is not info:
         _check_structure(result, info, max(FULL_CHECKS, options.top_k))
-    if not result.ranked:
-        raise StrategyError(_no_fit_message(result, info, world_size, hw, usable, options))
+    if not result.ranked:  # every candidate that fit memory failed the model-structure checks
+        raise StrategyError(_no_valid_message(result, world_size, options))
     result.chosen = result.ranked[0].candidate
     top = [e for e in result.ranked[: options.top_k]]
     if runner is not None and top:
@@ -237,6 +239,7 @@ def _reject(result: SearchResult, why: str) -> None:
     reason = _reason_kind(why)
     result.pruned_reasons[reason] = result.pruned_reasons.get(reason, 0) + 1
     result.pruned_count += 1
+    result.pruned_examples.setdefault(reason, why)
 
 
 def _confirm(result: SearchResult, top: list[Evaluated], runner: Runner, options: SearchOptions, t0: float) -> None:
@@ -278,6 +281,29 @@ def _log_table(result: SearchResult) -> None:
         log.info("%s\n%s", result.notes[0], result.table())
 
 
+def _no_valid_message(result: SearchResult, world: int, options: SearchOptions) -> str:
+    """Why no candidate is valid: pinned degrees that cannot fit the world size, then the pruning reasons by
+    count, each with its first full message (a ``validate`` hook's, naming the fix)."""
+    lines = []
+    for k in ("pp", "dp_replicate", "dp_shard", "dp", "tp"):
+        v = options.fixed.get(k)
+        if isinstance(v, int) and v > 0 and world % v:
+            lines.append(f"{k}={v} does not divide the world size {world} (pin a divisor of {world} or drop "
+                         f"'{k}' from search['fixed'])")
+    pinned = [options.fixed[k] for k in ("pp", "dp", "tp") if isinstance(options.fixed.get(k), int)]
+    if not lines and pinned and world % math.prod(pinned):
+        lines.append(f"the pinned degrees {dict((k, options.fixed[k]) for k in ('pp', 'dp', 'tp') if k in options.fixed)} "
+                     f"multiply to {math.prod(pinned)}, which does not divide the world size {world}")
+    reasons = sorted(result.pruned_reasons.items(), key=lambda kv: -kv[1])
+    detail = "; ".join(f"{n} x {result.pruned_examples.get(k, k).rstrip('. ')}" for k, n in reasons[:6])
+    if len(reasons) > 6:
+        detail += f"; and {len(reasons) - 6} more kinds"
+    head = (f"search: no valid candidate on {world} ranks ({result.pruned_count} pruned, none left to predict"
+            + (")" if not result.evaluated else ", and every one that fit memory failed the model checks)"))
+    return head + ". " + " ".join(l + "." for l in lines) + (" " if lines else "") + \
+        f"Pruned: {detail or 'nothing enumerated'}."
+
+
 def _no_fit_message(result: SearchResult, info: ModelInfo, world: int, hw: Hardware, usable: float,
                     options: SearchOptions) -> str:
     gib = _size
@@ -297,8 +323,10 @@ def _no_fit_message(result: SearchResult, info: ModelInfo, world: int, hw: Hardw
         need = min(state_lower_bound(info, d, "zero3" if d.dp > 1 else None) for d in factorisations(world))
         head += f"; even the parameters and gradients alone need {gib(need)} per rank on the best mesh"
         mb = None
-    fixes = [f"more devices (parameters, gradients and Adam state alone need ~{gib(state)}: at least {devices} "
-             f"devices of this memory)"]
+    fixes = []
+    if devices > world:  # advising "at least N devices" with N <= the current count would be wrong
+        fixes.append(f"more devices (parameters, gradients and Adam state alone need ~{gib(state)}: at least "
+                     f"{devices} devices of this memory)")
     if hw.device_type != "cpu":
         fixes.append("CPU offload (fsdp cpu_offload; " + ("it is excluded: drop 'cpu_offload' from "
                      "search['exclude'])" if "cpu_offload" in options.exclude else "tried: not enough alone)"))
@@ -308,6 +336,8 @@ def _no_fit_message(result: SearchResult, info: ModelInfo, world: int, hw: Hardw
                      + (f" instead of the pinned {pinned})" if pinned else ")"))
     if "checkpoint" in options.exclude:
         fixes.append("activation checkpointing (drop 'checkpoint' from search['exclude'])")
+    if not fixes:
+        fixes.append("devices with more memory per rank")
     return head + ". What would make it fit: " + "; ".join(fixes) + "."
 
 
