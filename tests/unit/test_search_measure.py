@@ -179,3 +179,17 @@ def test_fsdp_model_uses_the_fsdp_tracker_and_maps_its_categories():
     assert m.memory["params"] == P and m.memory["optimizer"] == 2 * P + 4 * L
     assert L * A <= m.memory["activations"] <= L * A + 64
     assert sum(m.memory.values()) == m.peak_memory_bytes
+
+
+def test_model_with_frozen_parameters_is_measured():
+    """torch 2.13's MemTracker registers a gradient hook on every parameter, which raises for a frozen one
+    (found by a user test: every trial of a model with frozen embeddings lost its memory reading). Frozen
+    parameters count as parameters and get no gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    model[0].requires_grad_(False)
+    res = _accelerate(model, 4)
+    m = measure_steps(res, [torch.randn(4, 8)], steps=1, warmup=1)
+    assert m.memory_error == "" and m.peak_memory_bytes > 0, m.memory_error
+    assert m.memory["params"] == 2 * (64 + 8) * 4
+    assert m.memory["grads"] == (64 + 8) * 4  # the trainable layer only

@@ -203,7 +203,7 @@ def _tracked_step(res, calls: _Calls) -> tuple[int, dict[str, int], str]:
     parts = _parts(res)
     pipelined = getattr(res.model, "parts", None) is not None
     if not pipelined and len(parts) == 1 and isinstance(parts[0], FSDPModule):
-        tracker, method = FSDPMemTracker(parts[0], res.optimizer), "fsdp_memtracker"
+        tracker, method = _frozen_safe(FSDPMemTracker)(parts[0], res.optimizer), "fsdp_memtracker"
     else:
         tracker, method = _repeatable_tracker_class()(), "memtracker"
         tracker.track_external(*parts, *_optimizers(res))
@@ -246,11 +246,34 @@ def _ddp_bucket_bytes(parts: list[nn.Module], grads_seen: int) -> int:
     return max(0, total - grads_seen) if views else total
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+@functools.lru_cache(maxsize=None)
+def _frozen_safe(cls):
+    """``cls`` (a MemTracker) that skips frozen parameters when it installs its gradient hooks: torch 2.13's
+    tracker calls ``register_hook`` on every parameter, which raises for one with ``requires_grad=False``
+    (LoRA, frozen embeddings), so no model with a frozen parameter could be measured. A frozen parameter gets
+    no gradient, so there is nothing for the hook to see; its bytes are still counted as parameters."""
+
+    class FrozenSafe(cls):
+        def _track_module_params_and_buffers(self, module, *args, **kwargs):
+            for p in module.parameters():
+                if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
+                    self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, *args, **kwargs)
+
+    FrozenSafe.__name__ = f"FrozenSafe{cls.__name__}"
+    return FrozenSafe
+
+
 @functools.lru_cache(maxsize=1)
 def _repeatable_tracker_class():
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    class RepeatableMemTracker(MemTracker):
+    class RepeatableMemTracker(_frozen_safe(MemTracker)):
         """MemTracker that accepts a root module run forward several times in one step (a pipeline stage
         runs once per micro-batch, interleaved with backward): the module's per-call stats are restarted.
         The whole-step peak and its breakdown, which is what is read here, are not per module."""
