@@ -156,3 +156,36 @@ def test_trial_result_round_trip():
     r = TrialResult(cand(), "timeout", 0.5, [0.4, 0.5, 0.6], 1e6, [1e6], {"params": 10}, "memtracker", "",
                     "time budget spent", 2.0, 3)
     assert TrialResult.from_dict(r.to_dict()) == r
+
+
+# ------------------------------------------------------------- model_factory must build the same model (F2)
+def _factory_runner(model, factory):
+    from torchloom.search.auto import _runner
+    from torchloom.search.options import SearchOptions
+
+    return _runner(model, SearchOptions.parse({"model_factory": factory}), {"optim_func": torch.optim.SGD}, {}, None)
+
+
+def test_model_factory_building_another_model_is_refused_before_the_trials():
+    from torchloom.errors import StrategyError
+
+    model = tiny_llama(layers=4)
+    with pytest.raises(StrategyError, match=r"different model.*no parameter model\.layers\.2\."):
+        _factory_runner(model, lambda: tiny_llama(layers=2))  # fewer layers
+    with pytest.raises(StrategyError, match=r"different model.*shape \(128, 64\) in the factory's model, "
+                                            r"\(256, 64\) in the model"):
+        _factory_runner(tiny_llama(vocab=256), lambda: tiny_llama(vocab=128))  # other shapes
+    with pytest.raises(StrategyError, match=r"dtype torch\.bfloat16 in the factory's model"):
+        _factory_runner(model, lambda: tiny_llama(layers=4).to(torch.bfloat16))
+
+
+def test_model_factory_building_the_same_model_is_accepted_and_built_on_meta():
+    devices = []
+
+    def factory():
+        m = tiny_llama(layers=4)
+        devices.append(next(m.parameters()).device.type)
+        return m
+
+    assert callable(_factory_runner(tiny_llama(layers=4), factory))
+    assert devices == ["meta"]  # the check is cheap: no storage allocated

@@ -101,6 +101,55 @@ def model_signature(model: nn.Module) -> str:
     return signature(model, 0)
 
 
+def check_factory(factory: Callable[[], nn.Module], model: nn.Module) -> None:
+    """Check that ``search["model_factory"]`` builds the model being planned: the trials time the factory's
+    model, so another one (other layers, shapes or dtypes) would confirm a plan for a different model.
+
+    One factory model is built under ``torch.device("meta")`` (cheap: no storage; a factory that cannot build
+    on meta is built as it is) and discarded; its :func:`model_signature` is compared with ``model``'s.
+
+    Raises:
+        StrategyError: the factory does not return an ``nn.Module``, or its parameters/buffers differ from
+            ``model``'s (names the first difference: a name, a shape, a dtype or ``requires_grad``).
+    """
+    try:
+        with torch.device("meta"):
+            built = factory()
+    except Exception:  # e.g. a factory that loads weights: build it as the trials will
+        built = factory()
+    if not isinstance(built, nn.Module):
+        raise StrategyError(f"search: model_factory must return an nn.Module, got {type(built).__name__}.")
+    if model_signature(built) == model_signature(model):
+        return
+    raise StrategyError("search: model_factory builds a different model from the one given, so the confirming "
+                        f"trials would time another model: {_first_difference(built, model)}. Return the same "
+                        "architecture (same parameter names, shapes and dtypes) from the factory, or drop "
+                        "model_factory (the trials then deep-copy the model).")
+
+
+def _first_difference(built: nn.Module, model: nn.Module) -> str:
+    """The first parameter or buffer where the factory's model and the user's differ, in words."""
+    def entries(m: nn.Module) -> dict[str, tuple]:
+        out = {f"parameter {n}": (tuple(p.shape), p.dtype, p.requires_grad)
+               for n, p in m.named_parameters(remove_duplicate=False)}
+        out.update({f"buffer {n}": (tuple(b.shape), b.dtype, None) for n, b in m.named_buffers(remove_duplicate=False)})
+        return out
+
+    if type(built).__qualname__ != type(model).__qualname__:
+        return f"the factory returns a {type(built).__qualname__}, the model is a {type(model).__qualname__}"
+    a, b = entries(built), entries(model)
+    for name in [*b, *(n for n in a if n not in b)]:
+        if name not in a:
+            return f"the factory's model has no {name} (the model has {len(b)} parameters/buffers, it {len(a)})"
+        if name not in b:
+            return f"the factory's model has an extra {name} {a[name][0]}"
+        for what, x, y in zip(("shape", "dtype", "requires_grad"), a[name], b[name]):
+            if x != y:
+                return f"{name}: {what} {x} in the factory's model, {y} in the model"
+    order = [n for n in a if n in b]
+    return "the parameters are registered in another order" if order != list(b) else "their structure differs"
+
+
 def machine_fingerprint() -> dict[str, Any]:
     """This machine's fingerprint with the job's backend (:func:`torchloom.search.calibrate.fingerprint`)."""
     from .calibrate import fingerprint
@@ -160,6 +209,8 @@ def _search(model, options: SearchOptions, loader_args: dict, world: int, recipe
 def _runner(model, options: SearchOptions, recipe: dict, loader_args: dict, sample) -> Callable:
     from .runner import run_trials
 
+    if options.model_factory is not None and isinstance(model, nn.Module):
+        check_factory(options.model_factory, model)
     make_model = options.model_factory or model
     trial_args = {k: v for k, v in loader_args.items() if k not in ("batch_size", "micro_batch_size")}
 
