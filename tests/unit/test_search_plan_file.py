@@ -160,3 +160,65 @@ def test_auto_where_it_makes_no_sense_is_a_clear_error(tmp_path):
         _accelerate(tiny_llama(), ["ddp"], search={"top_k": 1})
     with pytest.raises(StrategyError, match="unknown search option"):
         _accelerate(tiny_llama(), "auto", search={"topk": 1})
+
+
+# ------------------------------------------- `loom train`: a saved plan for another --nproc (F5)
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    import torch.distributed as dist
+
+    from torchloom.testing.dist import free_port
+
+    if dist.is_initialized():  # an earlier auto_accelerate call left its group
+        yield
+        return
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _job_with_saved_plan(tmp_path, overrides=(), plan_world=4):
+    """A `loom train` Job of 2 ranks whose output dir holds a strategy.json searched on ``plan_world`` ranks."""
+    from torchloom.train.config import TrainConfig
+    from torchloom.train.job import SEARCHED_STRATEGY, Job
+
+    cfg = TrainConfig.load("default", ["strategy=auto", *overrides], str(tmp_path / "run"))
+    job = Job.__new__(Job)
+    job.cfg, job.rank, job.world, job.lines = cfg, 0, 2, []
+    job.out, job.ckpt_root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    job.log = job.lines.append
+    cand = Candidate(ParallelDims(dp_shard=plan_world), (("fsdp", {}),), 1, cfg.train.global_batch // plan_world, SEQ)
+    result = SearchResult(chosen=cand, chosen_by="measured", world_size=plan_world,
+                          global_batch=cfg.train.global_batch, seq_len=SEQ)
+    save_plan(job.out / SEARCHED_STRATEGY, result, model={"signature": "sig", "name": "llama"},
+              machine=machine_fingerprint())
+    return job
+
+
+def test_saved_plan_for_another_nproc_is_a_config_error_with_safe_advice(tmp_path, one_rank_group, monkeypatch):
+    from torchloom import checkpoint
+    from torchloom.train.config import ConfigError
+
+    job = _job_with_saved_plan(tmp_path)
+    with pytest.raises(ConfigError) as e:  # main() prints ConfigError as one "[loom] error:" line, exit 2
+        job.plan_strategy(job.cfg, lambda: None, signature="sig")
+    msg = str(e.value)
+    assert "world size: the plan is for 4 ranks, this job has 2" in msg and "same --nproc" in msg, msg
+    assert "--output-dir" in msg and "on_mismatch=research" in msg and "reshard" not in msg
+    monkeypatch.setattr(checkpoint, "latest_complete", lambda root: root / "step_00000010")
+    with pytest.raises(ConfigError) as e:  # with checkpoints: no "delete strategy.json"; research reshards
+        job.plan_strategy(job.cfg, lambda: None, signature="sig")
+    msg = str(e.value)
+    assert "same --nproc" in msg and "delete" not in msg and "docs/reshard.md" in msg and "on_mismatch" in msg, msg
+
+
+def test_saved_plan_for_another_nproc_searches_again_on_request(tmp_path, one_rank_group):
+    job = _job_with_saved_plan(tmp_path, ["search.on_mismatch=research"])
+    strategy, search = job.plan_strategy(job.cfg, lambda: None, signature="sig")
+    logging_handler = job._search_log
+    import logging
+    logging.getLogger("torchloom.search").removeHandler(logging_handler)
+    assert strategy == "auto" and search["on_mismatch"] == "research" and callable(search["model_factory"])
+    assert any("does not match this run" in line for line in job.lines), job.lines

@@ -207,12 +207,14 @@ class Job:
 
         self.flops_per_token = flops_per_token(self.n_matmul, cfg.model.num_layers, cfg.model.hidden_size, seq)
         t = cfg.train
-        strategy, search = self.plan_strategy(cfg, lambda: build_model(cfg.model, c.vocab_size, c.eos_id, t.seed))
-        extra = {} if search is None else {"search": search}
-        if search is not None:
+        signature = None
+        if cfg.is_auto:
             from torchloom.search.auto import model_signature
 
             signature = model_signature(model)  # of the unchanged model, as a rerun's check computes it
+        strategy, search = self.plan_strategy(cfg, lambda: build_model(cfg.model, c.vocab_size, c.eos_id, t.seed),
+                                              signature=signature)
+        extra = {} if search is None else {"search": search}
         self.res = torchloom.auto_accelerate(
             model, adamw, self.train_ds, causal_lm_loss, strategy=strategy,
             optim_args={"lr": t.lr, "weight_decay": t.weight_decay, "betas": (t.beta1, t.beta2),
@@ -252,7 +254,7 @@ class Job:
         self.mem = PeakMemory(self.device)
 
     # -- strategy: auto ------------------------------------------------------------------------------
-    def plan_strategy(self, cfg: TrainConfig, make_model):
+    def plan_strategy(self, cfg: TrainConfig, make_model, signature: str | None = None):
         """``(strategy, search)`` for ``auto_accelerate``: the configured strategy and None; with ``strategy:
         auto`` the plan file an earlier run of this output dir wrote (``strategy.json``: a resumed or repeated
         run reuses it without searching, so the checkpoints match the strategy; ``auto_accelerate`` refuses it
@@ -260,9 +262,14 @@ class Job:
         ``"auto"`` and the search options (the job's model factory for the confirming trials; zero1
         excluded unless included: the job's optimizer has two parameter groups, which zero1 does not take).
 
+        ``signature``: the model's :func:`~torchloom.search.auto.model_signature`, checked against the saved plan
+        (with the world size, global batch and machine) before ``auto_accelerate`` would refuse it.
+
         Raises:
             ConfigError: ``strategy: auto`` with checkpoints in the output dir but no saved plan (a new search
-                could choose a strategy the checkpoints were not written with).
+                could choose a strategy the checkpoints were not written with); a saved plan made for another
+                world size, global batch, model or machine (each difference named, with what to do) unless
+                ``search.on_mismatch: research``, which searches again (checkpoints reshard on resume).
         """
         from torchloom import checkpoint
         from torchloom.strategy.strategy import Strategy
@@ -271,13 +278,21 @@ class Job:
             return Strategy.parse(cfg.full_strategy()), None
         plan = self.out / SEARCHED_STRATEGY
         seen = [(plan.exists(), checkpoint.latest_complete(self.ckpt_root)) if self.rank == 0 else None]
+        if self.rank == 0 and seen[0][0]:
+            seen[0] += (self._saved_plan_differences(plan, cfg, signature),)
         dist.broadcast_object_list(seen, src=0)  # rank 0 decides: every rank searches, or none does
-        has_plan, latest = seen[0]
-        if has_plan:
+        has_plan, latest, *diffs = seen[0]
+        diffs = diffs[0] if diffs else []
+        if has_plan and diffs and cfg.search.get("on_mismatch") != "research":
+            raise ConfigError(self._plan_mismatch_advice(plan, diffs, latest))
+        if has_plan and diffs:
+            self.log(f"strategy: auto: {plan} does not match this run ({'; '.join(diffs)}): searching again "
+                     "(search.on_mismatch: research" + ("; the checkpoints reshard on resume)" if latest else ")"))
+        elif has_plan:
             self.log(f"strategy: auto -> {plan} (searched by an earlier run of this output dir; no new search; "
                      "delete it to search again)")
             return str(plan), None
-        if latest is not None:
+        if latest is not None and not has_plan:
             raise ConfigError(f"strategy: auto with checkpoints in {self.ckpt_root} but no searched plan "
                               f"({plan}): a new search could choose another strategy than the checkpoints were "
                               "written with. Pass the strategy they were trained with (--set strategy=[...]) or "
@@ -292,6 +307,37 @@ class Job:
         logger.addHandler(self._search_log)
         logger.setLevel(logging.INFO)
         return "auto", search
+
+    def _saved_plan_differences(self, plan: Path, cfg: TrainConfig, signature: str | None) -> list[str]:
+        """What differs between the saved plan and this run (rank 0; the checks ``auto_accelerate`` makes)."""
+        from torchloom.errors import StrategyError
+        from torchloom.search.auto import machine_fingerprint
+        from torchloom.search.plan_file import read_plan
+
+        try:
+            _, saved = read_plan(plan)
+        except StrategyError as e:
+            return [f"the file does not read as a plan ({e})"]
+        if saved is None:
+            return ["the file has no 'plan' section (not written by strategy: auto)"]
+        return saved.differences(model=signature, world_size=self.world, global_batch=cfg.train.global_batch,
+                                 machine=machine_fingerprint())
+
+    def _plan_mismatch_advice(self, plan: Path, diffs: list[str], latest) -> str:
+        """The refusal of a saved plan made for another run: the differences and what is safe to do."""
+        world = next((d for d in diffs if d.startswith("world size")), None)
+        fixes = []
+        if world is not None:
+            fixes.append("rerun with the same --nproc as the run that searched (" + world.split(": ", 1)[1] + ")")
+        fixes.append("use another --output-dir (a fresh search there)")
+        if latest is not None:
+            fixes.append(f"or --set search.on_mismatch=research to search again here: the checkpoints in "
+                         f"{self.ckpt_root} are resumed under the new plan (a resume under another strategy or "
+                         "world size reshards them, docs/reshard.md; the global batch must stay the same)")
+        else:
+            fixes.append(f"or --set search.on_mismatch=research (or delete {plan}) to search again here")
+        return (f"strategy: auto: the plan saved in {plan} was made for another run: {'; '.join(diffs)}. "
+                + "; ".join(fixes) + ".")
 
     def save_searched(self, res, signature: str, search: dict) -> None:
         """Print the strategy the search chose and save it as a plan file (``strategy.json`` in the output dir:
