@@ -249,3 +249,41 @@ def test_co_located_cpu_ranks_share_the_memory_bound_and_per_op_work():
     assert shared.time["forward"] - mm == pytest.approx(2 * (alone.time["forward"] - mm), rel=1e-9)
     assert shared.time["optimizer"] == pytest.approx(2 * alone.time["optimizer"], rel=1e-9)
     assert alone.time["forward"] > mm  # the memory-bound / per-op part is there to be shared
+
+
+def test_predictions_match_the_recorded_grid():
+    """The cost model's speed-ups (hoisted per-part pass times, memoised collective pricing) must not change a
+    single prediction: 198 candidates (data-parallel, FSDP, TP, pipeline schedules; micro-batch 1-2, 1-8
+    accumulation) on three machines (the H100 table over 2 nodes, a one-node toy, oversubscribed CPU ranks)
+    against values recorded before the change (tests/unit/cost_grid.py). Tolerance 1e-12 relative: pure
+    float arithmetic in the same order; any changed term (a wrong cached key: another micro-batch's pass
+    time, another group's collective) moves a value by > 1e-3. Evaluated twice on the same analysis, so a
+    memo left on ``info``/``hw`` by the first pass cannot leak into the second."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import cost_grid
+
+    want = json.loads(cost_grid.DATA.read_text())
+    for _ in range(2):
+        got = json.loads(json.dumps(cost_grid.grid(), sort_keys=True, default=str))
+        assert got.keys() == want.keys()
+        for k, w in want.items():
+            _assert_close(got[k], w, k)
+
+
+def _assert_close(got, want, where):
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for k in want:
+            _assert_close(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_close(g, w, f"{where}[{i}]")
+    elif isinstance(want, float) and not isinstance(want, bool):
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-300), where
+    else:
+        assert got == want, where

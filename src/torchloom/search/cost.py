@@ -22,7 +22,7 @@ from typing import Any
 from ..parallel.dims import spans_nodes  # noqa: F401  (re-exported: the node-span rule the cost model uses)
 from ..strategy.registry import resolve_name
 from .candidate import Candidate, Prediction, StepShape
-from .effects import DTYPE_BYTES, MEMORY, Collective, Effects, PipelineShape, StageLoad
+from .effects import DTYPE_BYTES, MEMORY, MEMORY_SET, Collective, Effects, PipelineShape, StageLoad
 from .hardware import Hardware
 from .model_info import ModelInfo, PassCost
 
@@ -73,20 +73,25 @@ def predict(cand: Candidate, info: ModelInfo, hw: Hardware, *, memory_limit: flo
     loads = pipeline.ranks if pipeline is not None else [StageLoad(info.num_blocks, True, True)]
     dtype = step.compute_dtype
     cache = _pass_cache(info, hw)
+    # one part instance's pass times do not depend on the rank: price each part once, then weight per rank
+    parts = []
+    for i, part in enumerate(info.parts):
+        is_rest = part.name == "rest"
+        extra = 0.0 if is_rest else ops_add
+        f, f_mm = _pass_time(cache, (i, "f"), part.fwd, mb, dtype, hw, mm, other, ops_scale, extra)
+        b, _ = _pass_time(cache, (i, "b"), part.bwd, mb, dtype, hw, mm, other, ops_scale, 2 * extra)
+        parts.append((is_rest, part.count, f, b, 0.0 if is_rest else f - f_mm * (1.0 - c.recompute_matmul_share)))
+    nb = max(info.num_blocks, 1)
     per_rank = []
     for load in loads:
         tf = tb = tr = 0.0
-        for i, part in enumerate(info.parts):
-            is_rest = part.name == "rest"
-            n = (1.0 if load.last else 0.0) if is_rest else part.count * load.blocks / max(info.num_blocks, 1)
+        for is_rest, count, f, b, f_re in parts:
+            n = (1.0 if load.last else 0.0) if is_rest else count * load.blocks / nb
             if n == 0:
                 continue
-            extra = 0.0 if is_rest else ops_add
-            f, f_mm = _pass_time(cache, (i, "f"), part.fwd, mb, dtype, hw, mm, other, ops_scale, extra)
-            b, _ = _pass_time(cache, (i, "b"), part.bwd, mb, dtype, hw, mm, other, ops_scale, 2 * extra)
             tf, tb = tf + n * f, tb + n * b
             if not is_rest:
-                tr += n * recompute * (f - f_mm * (1.0 - c.recompute_matmul_share))
+                tr += n * recompute * f_re
         per_rank.append((tf + tb + tr, tf, tb, tr))
     _, tf, tb, tr = max(per_rank)
     accum = cand.grad_accum
@@ -193,7 +198,8 @@ def compose(cand: Candidate, info: ModelInfo, hw: Hardware) -> Composed:
     pipeline: PipelineShape | None = None
     grads_persistent, unsharded_grads = False, 0.0
     for e in effects:
-        for cat in MEMORY:
+        # only the categories the Effects names (x 1.0 + 0.0 leaves the others as they are)
+        for cat in (e.memory_scale.keys() | e.memory_add.keys()) & MEMORY_SET:
             mem[cat] = mem[cat] * e.memory_scale.get(cat, 1.0) + e.memory_add.get(cat, 0.0)
         mm *= e.matmul_scale
         other *= e.other_scale
@@ -353,6 +359,15 @@ def view_degree(dims, view: str) -> int:
     return dims.dp if view == "dp" else getattr(dims, view)
 
 
+def _collective_cache(hw: Hardware) -> dict:
+    """Per-Hardware memo of one collective's seconds and node span by (kind, bytes, view, mesh degrees):
+    the same gradient and parameter collectives recur across thousands of candidates."""
+    c = hw.__dict__.get("_collective_cache")
+    if c is None:
+        c = hw.__dict__["_collective_cache"] = {}
+    return c
+
+
 def _exposed(collectives: list[tuple[str, Collective]], dims, hw: Hardware,
              windows: dict[str, float]) -> tuple[list[dict[str, Any]], float]:
     """Price every collective and split it into hidden and exposed seconds.
@@ -361,32 +376,38 @@ def _exposed(collectives: list[tuple[str, Collective]], dims, hw: Hardware,
     (``OVERLAP_EFFICIENCY`` x the phase's compute): exposed = max(0, overlappable - window), spread over
     them in proportion, plus the calls that can never overlap. ``"none"`` collectives are fully exposed.
     """
-    recs = []
+    recs: list[dict[str, Any]] = []
+    phases: dict[str, list] = {}  # overlap phase -> (record, never-hidden seconds, hideable seconds)
+    memo = _collective_cache(hw)
+    dims_key = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.ep, dims.tp)
     for method, c in collectives:
         g = view_degree(dims, c.view)
         if g <= 1 or c.calls <= 0 or c.nbytes <= 0:
             continue
-        across = hw.num_nodes > 1 and spans_nodes(dims, c.view, hw.ranks_per_node)
-        one = hw.collective_time(c.kind, c.nbytes, g, spans_nodes=across)
+        k = (c.kind, c.nbytes, c.view, dims_key)
+        priced = memo.get(k)
+        if priced is None:
+            across = hw.num_nodes > 1 and spans_nodes(dims, c.view, hw.ranks_per_node)
+            priced = memo[k] = (across, hw.collective_time(c.kind, c.nbytes, g, spans_nodes=across))
+        across, one = priced
         total = one * c.calls
         fixed = one * min(c.exposed_calls, c.calls) if c.overlap != "none" else total
-        recs.append({"label": c.label or f"{method}.{c.kind}", "kind": c.kind, "bytes": c.nbytes, "view": c.view,
-                     "group": g, "calls": c.calls, "spans_nodes": across, "seconds": total, "overlap": c.overlap,
-                     "_fixed": fixed, "_free": total - fixed})
+        rec = {"label": c.label or f"{method}.{c.kind}", "kind": c.kind, "bytes": c.nbytes, "view": c.view,
+               "group": g, "calls": c.calls, "spans_nodes": across, "seconds": total, "overlap": c.overlap}
+        recs.append(rec)
+        if c.overlap == "none":
+            rec["exposed_s"] = total
+        else:
+            phases.setdefault(c.overlap, []).append((rec, fixed, total - fixed))
     used = dict.fromkeys(windows, 0.0)
     for phase in ("forward", "backward", "compute"):
-        group = [r for r in recs if r["overlap"] == phase]
-        free = sum(r["_free"] for r in group)
+        group = phases.get(phase, ())
+        free = sum(f for _, _, f in group)
         window = windows[phase] - (used["forward"] + used["backward"] if phase == "compute" else used[phase])
         hidden = min(free, max(0.0, window))
         used[phase] += hidden
-        for r in group:
-            r["exposed_s"] = r["_fixed"] + (r["_free"] - hidden * r["_free"] / free if free else 0.0)
-    for r in recs:
-        if r["overlap"] == "none":
-            r["exposed_s"] = r["seconds"]
-        r.pop("_fixed")
-        r.pop("_free")
+        for rec, fixed, f in group:
+            rec["exposed_s"] = fixed + (f - hidden * f / free if free else 0.0)
     return recs, sum(r["exposed_s"] for r in recs)
 
 

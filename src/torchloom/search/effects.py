@@ -29,6 +29,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 #: memory categories the cost model tracks per rank (the Prediction adds ``headroom``)
 MEMORY = ("params", "grads", "optimizer", "activations", "temporary")
+MEMORY_SET = frozenset(MEMORY)
 
 #: what a collective can overlap with: the forward or backward compute of the step, any compute, or nothing
 OVERLAPS = ("forward", "backward", "compute", "none")
@@ -148,6 +149,8 @@ class Effects:
 
     def __post_init__(self):
         for d in (self.memory_scale, self.memory_add):
+            if d.keys() <= MEMORY_SET:  # the common case, without building a list (thousands per plan)
+                continue
             bad = [k for k in d if k not in MEMORY]
             if bad:
                 raise ValueError(f"Effects of {self.method or 'a method'}: unknown memory categories {bad}; "
