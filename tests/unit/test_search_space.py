@@ -301,8 +301,10 @@ def test_pinned_degree_that_does_not_divide_the_world_is_named_not_memory():
 
 
 def test_every_candidate_failing_validate_names_the_validate_message_not_memory():
-    info = toy_info(heads=4)
-    info.dims["num_kv_heads"] = 2  # tp=4 cannot split 2 KV heads
+    import dataclasses
+
+    base = toy_info(heads=4)  # tp=4 cannot split 2 KV heads; a new signature: check() memoises per model
+    info = dataclasses.replace(base, dims={**base.dims, "num_kv_heads": 2}, signature=base.signature + "-kv2")
     with pytest.raises(StrategyError) as e:
         search(info=info, world_size=4, global_batch=8, hw=toy_hw(ranks=4), options={"top_k": 0, "fixed": {"tp": 4}})
     msg = str(e.value)
@@ -318,3 +320,68 @@ def test_memory_advice_never_asks_for_fewer_devices_than_there_are():
                options={"top_k": 0, "exclude": ["checkpoint"]})
     msg = str(e.value)
     assert "fits no candidate on 4 ranks" in msg and "more devices" not in msg, msg
+
+
+# ----------------------------------------------------------- the time limit, the fallback, the table (F9)
+def _slow_predict(delay_s):
+    from torchloom.search.cost import predict
+
+    def slow(cand, info, hw):
+        import time
+
+        time.sleep(delay_s)
+        return predict(cand, info, hw)
+
+    return slow
+
+
+def test_a_spent_time_limit_skips_the_trials_says_so_and_warns(caplog):
+    import logging
+
+    runner = _FakeRunner()
+    with pytest.warns(UserWarning, match=r"no confirming run started: the search's time limit of 0\.01 s"), \
+            caplog.at_level(logging.WARNING, logger="torchloom.search"):
+        r = search(info=toy_info(), world_size=2, global_batch=4, hw=toy_hw(ranks=2),
+                   options={"top_k": 2, "time_limit_s": 0.01}, runner=runner, predict=_slow_predict(0.02))
+    assert not runner.calls and r.chosen_by == "predicted" and r.chosen.key() == r.ranked[0].candidate.key()
+    assert [t.status for t in r.trials] == ["skipped", "skipped"] and all("0.01 s" in t.error for t in r.trials)
+    rows = r.table().splitlines()[2:4]
+    assert all(row.endswith("skipped") and "failed" not in row for row in rows), r.table()
+    # the logger gets it at WARNING too (loom train's log listens to it)
+    assert any(rec.levelno == logging.WARNING and "no confirming run started" in rec.getMessage()
+               for rec in caplog.records)
+
+
+def test_table_shows_whole_labels_and_every_mfu_peak():
+    r = search(info=toy_info(), world_size=4, global_batch=8, hw=toy_hw(), options={"top_k": 0})
+    table = r.table(n=len(r.ranked))
+    labels = [e.candidate.label() for e in r.ranked]
+    assert max(map(len, labels)) > 64  # e.g. "pp2 tp2 | amp(bfloat16) tensor_parallel sequence_parallel ..."
+    assert all(label in table for label in labels)
+    footer = table.splitlines()[-1]
+    assert "0.02 TFLOP/s (float32 rows)" in footer and "0.04 TFLOP/s (bfloat16 rows)" in footer, footer
+
+
+def test_loom_train_log_does_not_repeat_the_search_summary():
+    import logging
+
+    from torchloom.train.job import _LogToJob
+
+    class _Job:
+        lines: list = []
+
+        def log(self, msg):
+            self.lines.append(msg)
+
+    handler = _LogToJob(_Job())
+    logger = logging.getLogger("torchloom.search")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        r = search(info=toy_info(), world_size=2, global_batch=4, hw=toy_hw(ranks=2), options={"top_k": 0})
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert r.notes[0] in handler.seen  # Job.setup skips the notes in handler.seen: the summary appears once
+    assert sum(r.notes[0] in line for line in handler.job.lines) == 1

@@ -12,6 +12,12 @@ def _prediction_from_dict(d: dict[str, Any] | None) -> Prediction | None:
     return None if d is None else Prediction(**d)
 
 
+def _precision(cand: Candidate) -> str:
+    """The compute precision of a candidate: ``amp``'s dtype, else float32."""
+    amp = cand.config("amp")
+    return "float32" if amp is None else str(amp.get("dtype", "bfloat16"))
+
+
 @dataclass
 class Evaluated:
     """One predicted candidate: its prediction, whether it fits memory (with the search's headroom), and
@@ -112,25 +118,30 @@ class SearchResult:
 
     def table(self, n: int = 10) -> str:
         """The ranked candidates as a text table: predicted step time, tokens/s per device, MFU (and the
-        peak it divides by), peak memory per rank, and the measured step time of those that ran."""
-        head = (f"{'#':>3}  {'candidate':<64} {'pred ms':>9} {'tok/s/dev':>10} {'MFU':>6} {'mem GiB':>8} "
-                f"{'meas ms':>9}")
-        lines = [head, "-" * len(head)]
+        peak it divides by, per precision), peak memory per rank, and the measured step time of those that
+        ran (or their status: ``skipped``, ``timeout``, ``oom``, ``error``). The candidate column is as wide
+        as the longest label shown (labels are never cut)."""
         shown = self.ranked[:n]
         for t in self.trials:  # measured candidates always appear
             if all(e.candidate.key() != t.candidate.key() for e in shown):
                 shown += [e for e in self.ranked if e.candidate.key() == t.candidate.key()]
+        width = max([len("candidate"), *(len(e.candidate.label()) for e in shown)])
+        head = (f"{'#':>3}  {'candidate':<{width}} {'pred ms':>9} {'tok/s/dev':>10} {'MFU':>6} {'mem GiB':>8} "
+                f"{'meas ms':>9}")
+        lines = [head, "-" * len(head)]
+        peaks: dict[str, float] = {}
         for e in shown:
             p, t = e.prediction, self.trial_of(e.candidate)
-            meas = "" if t is None else (f"{t.step_time_s * 1e3:9.1f}" if t.ok else f"{'failed':>9}")
+            meas = "" if t is None else (f"{t.step_time_s * 1e3:9.1f}" if t.ok else f"{t.status or 'failed':>9}")
             mark = "*" if e.candidate.key() == self.chosen.key() else " "
             rank = self.ranked.index(e) + 1
-            lines.append(f"{rank:>3}{mark} {e.candidate.label()[:64]:<64} {p.step_time_s * 1e3:9.1f} "
+            lines.append(f"{rank:>3}{mark} {e.candidate.label():<{width}} {p.step_time_s * 1e3:9.1f} "
                          f"{p.tokens_per_s_per_device:10.0f} {p.mfu * 100:5.1f}% {p.peak_memory_bytes / 2**30:8.3f} "
                          f"{meas}")
-        peak = self.ranked[0].prediction.peak_flops if self.ranked else 0.0
+            peaks.setdefault(_precision(e.candidate), p.peak_flops)
+        peak = ", ".join(f"{v / 1e12:.3g} TFLOP/s ({k} rows)" for k, v in sorted(peaks.items())) or "0 TFLOP/s"
         lines.append(f"({len(self.ranked)} fit, {len(self.evaluated)} predicted, {self.pruned_count} pruned; MFU "
-                     f"divides by {peak / 1e12:.3g} TFLOP/s per device; * = chosen, by {self.chosen_by})")
+                     f"divides by {peak} per device; * = chosen, by {self.chosen_by})")
         return "\n".join(lines)
 
     def to_dict(self, max_ranked: int = 50) -> dict[str, Any]:

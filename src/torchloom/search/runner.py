@@ -166,7 +166,7 @@ def run_trials(
     for i, cand in enumerate(candidates):
         elapsed = _agree([time.perf_counter() - t0])[0]  # the slowest rank's clock: every rank decides alike
         if total_time_s is not None and elapsed >= total_time_s:
-            res = TrialResult(cand, "skipped", error=f"total time limit of {total_time_s:g} s spent before it started")
+            res = TrialResult(cand, "skipped", error=f"total time limit of {total_time_s:.3g} s spent before it started")
         else:
             budget = time_budget_s
             if total_time_s is not None:  # a trial never runs past what the whole limit leaves
@@ -314,8 +314,8 @@ class _Phase:
     def timeout(self) -> None:
         r = self.result
         r.status = "timeout"
-        r.error = (f"time budget of {self.budget:g} s spent after {len(r.step_times)} measured step(s)"
-                   if r.step_times else f"time budget of {self.budget:g} s spent before any step was measured")
+        r.error = (f"time budget of {self.budget:.3g} s spent after {len(r.step_times)} measured step(s)"
+                   if r.step_times else f"time budget of {self.budget:.3g} s spent before any step was measured")
 
 
 def _agree(values: list[float]) -> list[float]:

@@ -89,7 +89,8 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
         if result.ranked:
             result.notes.append("nothing fits in device memory without CPU offload: ranked the fsdp cpu_offload "
                                 "candidates")
-    if not result.evaluated:  # nothing survived pruning and validate: not a memory problem
+    if not result.evaluated and not any(p.memory for p in space.pruned):
+        # nothing survived pruning and validate, and none was left out for memory: not a memory problem
         raise StrategyError(_no_valid_message(result, world_size, options))
     if not result.ranked:
         raise StrategyError(_no_fit_message(result, info, world_size, hw, usable, options))
@@ -243,8 +244,16 @@ def _reject(result: SearchResult, why: str) -> None:
 
 
 def _confirm(result: SearchResult, top: list[Evaluated], runner: Runner, options: SearchOptions, t0: float) -> None:
-    remaining = options.time_limit_s - (time.perf_counter() - t0)
+    spent = time.perf_counter() - t0
+    remaining = options.time_limit_s - spent
     cands = [e.candidate for e in top]
+    if remaining <= 0:  # the enumeration and predictions used the whole limit: no trial can start
+        why = (f"the search's time limit of {options.time_limit_s:.3g} s (time_limit_s) was spent before the trials "
+               f"(enumeration and predictions took {spent:.3g} s)")
+        result.trials += [Trial(e.candidate, e.prediction, error=why, status="skipped") for e in top]
+        _fall_back(result, f"search: no confirming run started: {why}; using the best predicted plan "
+                           f"{result.chosen.label()} without a measurement (raise time_limit_s to confirm it)")
+        return
     log.info("search: confirming the %d best predicted plans with real runs (%.0f s left of %g s)", len(cands),
              max(remaining, 0.0), options.time_limit_s)
     results = runner(cands, total_time_s=max(remaining, 0.0), time_budget_s=max(remaining, 0.0) / len(cands),
@@ -263,7 +272,16 @@ def _confirm(result: SearchResult, top: list[Evaluated], runner: Runner, options
     msg = (f"search: none of the {len(cands)} confirming runs finished ("
            + "; ".join(f"{t.candidate.label()}: {t.error}" for t in result.trials)[:400]
            + f"); using the best predicted plan {result.chosen.label()} without a measurement")
-    warnings.warn(msg, stacklevel=3)
+    _fall_back(result, msg)
+
+
+def _fall_back(result: SearchResult, msg: str) -> None:
+    """Warn that the plan is chosen by prediction alone: ``warnings.warn`` (shown in a plain script), and the
+    ``torchloom.search`` logger at WARNING when someone listens to it (``loom train``'s log) -- not both
+    printed to a bare stderr, where an unconfigured logger would repeat the warning."""
+    warnings.warn(msg, UserWarning, stacklevel=4)
+    if log.hasHandlers():
+        log.warning("%s", msg)
     result.notes.append(msg)
 
 

@@ -35,10 +35,12 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 @dataclass
 class Pruned:
-    """A candidate (or a whole group of them, ``label`` ending in ``*``) left out, and why."""
+    """A candidate (or a whole group of them, ``label`` ending in ``*``) left out, and why (``memory``: by
+    the memory lower bound, not because it is invalid)."""
 
     label: str
     reason: str
+    memory: bool = False
 
 
 @dataclass
@@ -179,7 +181,7 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
                 if need > usable:
                     space.pruned.append(Pruned(f"{_mesh_label(dims)} {choice or 'none'} *",
                                                f"parameters + gradients alone need {_gib(need)} per rank > "
-                                               f"{_gib(usable)} usable"))
+                                               f"{_gib(usable)} usable", memory=True))
                     continue
             dp_item = dp_spec(choice, dims, offload)
             if offload and dp_item is None:

@@ -119,9 +119,12 @@ class _LogToJob(logging.Handler):
     def __init__(self, job: "Job"):
         super().__init__(logging.INFO)
         self.job = job
+        self.seen: set[str] = set()  # every message and first line logged (the job skips these notes)
 
     def emit(self, record: logging.LogRecord) -> None:
-        for line in record.getMessage().splitlines():
+        msg = record.getMessage()
+        self.seen.update((msg, msg.split("\n", 1)[0]))
+        for line in msg.splitlines():
             self.job.log(f"  {line}")
 
 
@@ -229,8 +232,10 @@ class Job:
             **extra,
         )
         res = self.res
+        logged = self._search_log.seen if search is not None else set()
         for note in res.notes:
-            self.log(f"  {note}")
+            if note not in logged:  # e.g. the search's summary line: its logger already put it in this log
+                self.log(f"  {note}")
         self.strategy_used = res.strategy.to_list(explicit_only=True) if cfg.is_auto else cfg.full_strategy()
         if search is not None:
             self.save_searched(res, signature, search)
