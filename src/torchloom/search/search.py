@@ -316,8 +316,9 @@ def _no_valid_message(result: SearchResult, world: int, options: SearchOptions) 
     detail = "; ".join(f"{n} x {result.pruned_examples.get(k, k).rstrip('. ')}" for k, n in reasons[:6])
     if len(reasons) > 6:
         detail += f"; and {len(reasons) - 6} more kinds"
-    head = (f"search: no valid candidate on {world} ranks ({result.pruned_count} pruned, none left to predict"
-            + (")" if not result.evaluated else ", and every one that fit memory failed the model checks)"))
+    head = (f"search: no valid candidate on {world} ranks ({result.pruned_count} pruned, "
+            + ("none left to predict)" if not result.evaluated else
+               "and every one that fit memory failed the model-structure checks)"))
     return head + ". " + " ".join(l + "." for l in lines) + (" " if lines else "") + \
         f"Pruned: {detail or 'nothing enumerated'}."
 
