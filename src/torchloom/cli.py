@@ -259,6 +259,10 @@ def check(threshold: float, timeout: float, as_json: bool, **kw) -> None:
 @click.option("--top", type=int, default=10, show_default=True, help="rows to show")
 @click.option("--explain", type=int, default=None, metavar="N", help="print candidate N's full breakdown")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
+@click.option("--sample", default=None, metavar="PKG.MODULE:FN",
+              help="factory model: a function returning one batch at micro-batch 1 (built on meta)")
+@click.option("--input-format", default=None, type=click.Choice(["unpack_sequence", "unpack_dict"]),
+              help="factory model: pass the --sample batch as forward(*batch) / forward(**batch)")
 def plan(model: str, **kw) -> None:
     """Rank strategies for MODEL on a cluster with the cost model: nothing runs, the model is never allocated.
 

@@ -169,3 +169,110 @@ def test_model_that_fits_nothing_says_by_how_much_and_what_would_fit():
     assert "GiB per rank on the best mesh" in err  # how much even the smallest needs
     for fix in ("more devices", "CPU offload", "a smaller micro-batch"):
         assert fix in err
+
+
+_NET = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.l2(torch.relu(self.l1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, d=64, n=4):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d) for _ in range(n)])
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).mean()
+
+
+def build():
+    return Net()
+
+
+def sample():
+    return torch.randn(1, 128, 64)
+
+
+def sample_pair():
+    return (torch.randn(1, 128, 64),)
+
+
+class TwoArgs(Net):
+    def forward(self, x, scale):
+        return super().forward(x) * scale
+
+
+def build_two():
+    return TwoArgs()
+
+
+def sample_two():
+    return (torch.randn(1, 128, 64), 2.0)
+'''
+
+
+@pytest.fixture
+def plain_pkg(tmp_path, monkeypatch):
+    """A plain (non-Hugging Face) model in a package of the current directory, not on sys.path (as a user
+    runs ``loom plan pkg.models:build`` from their project)."""
+    import sys
+
+    pkg = tmp_path / "plainpkg_f3"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models.py").write_text(_NET)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    for m in [m for m in sys.modules if m.startswith("plainpkg_f3")]:
+        monkeypatch.delitem(sys.modules, m)
+    return pkg
+
+
+_GPUS = ["--gpu", "h200", "--gpus", "16", "--gpus-per-node", "8", "--seq-len", "128"]
+
+
+def test_plain_model_without_a_sample_is_a_named_error(plain_pkg):
+    """F3: the factory's module is found from the current directory (as ``python -m`` does), and a model
+    that is not a Hugging Face LM without ``--sample`` is exit 2 with an ``error:`` line naming the fix, not
+    a traceback."""
+    r = CliRunner().invoke(main, ["plan", "plainpkg_f3.models:build", *_GPUS])
+    assert r.exit_code == 2, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "error:" in r.output and "--sample" in r.output and "Traceback" not in r.output
+
+
+def test_plain_model_plans_with_a_sample(plain_pkg):
+    """F3: ``--sample pkg.module:fn`` gives one micro-batch-1 batch (built on the meta device), and
+    ``--input-format`` says how it is passed, as ``auto_accelerate``'s ``input_format``."""
+    r = _plan("plainpkg_f3.models:build", *_GPUS, "--sample", "plainpkg_f3.models:sample", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    # 4 blocks of 2 x (64x256 + 256) + 256 + 64 ... plus the head: the module's own parameter count
+    assert d["model"]["n_params"] == 4 * (64 * 256 + 256 + 256 * 64 + 64) + 64 * 10 + 10
+    assert d["candidates"] and d["seq_len"] == 128
+    r = _plan("plainpkg_f3.models:build_two", *_GPUS, "--sample", "plainpkg_f3.models:sample_two",
+              "--input-format", "unpack_sequence", "--top", "1")
+    assert r.exit_code == 0, r.output
+
+
+def test_bad_sample_options_are_named(plain_pkg):
+    r = CliRunner().invoke(main, ["plan", "plainpkg_f3.models:build", *_GPUS, "--sample", "plainpkg_f3.models:nope"])
+    assert r.exit_code == 2 and "error:" in r.output and "nope" in r.output, r.output
+    r = CliRunner().invoke(main, ["plan", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--sample",
+                                  "plainpkg_f3.models:sample"])
+    assert r.exit_code == 2 and "--sample" in r.output, r.output
+    r = CliRunner().invoke(main, ["plan", "plainpkg_f3.models:build_two", *_GPUS, "--sample",
+                                  "plainpkg_f3.models:sample_two"])  # forward(x, scale) called as model(batch)
+    assert r.exit_code == 2 and "error:" in r.output and "--input-format" in r.output, r.output

@@ -86,7 +86,8 @@ class PlanReport:
 def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_per_node: int | None = None,
          local: bool = False, nproc: int | None = None, seq_len: int | None = None,
          global_batch: int | None = None, micro_batch: int | None = None, strategy: str | None = None,
-         search_options: dict[str, Any] | None = None, hardware: Hardware | None = None) -> PlanReport:
+         search_options: dict[str, Any] | None = None, hardware: Hardware | None = None,
+         sample: str | None = None, input_format: str | None = None) -> PlanReport:
     """Plan ``model`` on a cluster (the arguments of :func:`~torchloom.search.cluster.cluster_spec`).
 
     Args:
@@ -99,13 +100,15 @@ def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_pe
         strategy: evaluate this strategy instead of searching (:func:`parse_strategy_option`).
         search_options: the search's pins/excludes (``{"exclude": [...], "fixed": {"tp": 8}}``).
         hardware: use this :class:`Hardware` instead of building it from the cluster options (tests).
+        sample / input_format: for a factory model: ``pkg.module:fn`` returning one micro-batch-1 batch, and
+            how it is passed (:func:`~torchloom.search.presets.resolve_model`).
 
     Raises:
         TorchloomError: a bad model, cluster or strategy (the message names it), or no candidate that fits
             (how much the smallest overflows and what would make it fit).
     """
     t0 = time.perf_counter()
-    spec = resolve_model(model)
+    spec = resolve_model(model, sample=sample, input_format=input_format)
     cl = cluster_spec(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, local=local, nproc=nproc)
     notes: list[str] = []
     if seq_len is not None and seq_len < 1:
@@ -229,7 +232,7 @@ def strategy_candidate(text: str, info, world: int, global_batch: int, seq_len: 
 # -------------------------------------------------------------------------------------------- command
 def run_command(model: str, *, gpu=None, gpus=None, gpus_per_node=None, local=False, nproc=None, seq_len=None,
                 global_batch=None, micro_batch=None, strategy=None, exclude=None, fixed=(), top=10, explain=None,
-                as_json=False) -> int:
+                as_json=False, sample=None, input_format=None) -> int:
     """``loom plan``: plan, print (table, ``--explain``, or ``--json``) and return the exit code: 0, 1 when no
     candidate fits (the message says by how much and what would fit), 2 for bad input (named)."""
     import click
@@ -243,7 +246,7 @@ def run_command(model: str, *, gpu=None, gpus=None, gpus_per_node=None, local=Fa
         options = search_options_from_cli(exclude, fixed)
         report = plan(model, gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, local=local, nproc=nproc,
                       seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, strategy=strategy,
-                      search_options=options)
+                      search_options=options, sample=sample, input_format=input_format)
         if explain is not None:
             explain_row(report, explain)
     except NoFit as e:

@@ -107,6 +107,8 @@ class ModelSpec:
     factory: Callable[[], Any] | None = None
     seq_len: int | None = None
     notes: list[str] = field(default_factory=list)
+    sample: Callable[[], Any] | None = None
+    input_format: str | None = None
 
     def default_seq_len(self) -> int:
         """``seq_len``, else the config's ``max_position_embeddings`` capped at :data:`DEFAULT_SEQ_LEN_CAP`
@@ -145,20 +147,80 @@ class ModelSpec:
         if self.hf_config is not None:
             info = analysis.analyze_config(self.hf_config, seq_len=seq_len)
         else:
-            info = analysis.analyze_model(self.meta_model(), seq_len=seq_len, name=self.name)
+            model = self.meta_model()
+            batch = self.sample_batch()
+            try:
+                info = analysis.analyze_model(model, seq_len=seq_len, name=self.name, sample_input=batch,
+                                              input_format=self.input_format)
+            except ModelSpecError:
+                raise
+            except ValueError as e:  # no sample for a non-HF model, a forward that fails on the sample
+                raise ModelSpecError(f"{e} {SAMPLE_HINT}") from e
         info.name = self.name
         return info
 
+    def sample_batch(self):
+        """The ``sample`` function's batch (built under ``torch.device("meta")``: only shapes are read), or
+        None without one.
 
-def resolve_model(spec: str) -> ModelSpec:
+        Raises:
+            ModelSpecError: the function fails.
+        """
+        if self.sample is None:
+            return None
+        import torch
+
+        try:
+            with torch.device("meta"):
+                return self.sample()
+        except Exception as e:  # user code: any failure is named, not a traceback
+            raise ModelSpecError(f"the sample function of {self.name} failed: {type(e).__name__}: {e}") from e
+
+
+#: what a factory model needs when the analysis cannot build its input (docs/plan.md, "The model")
+SAMPLE_HINT = ("For loom plan: pass --sample pkg.module:fn, a zero-argument function returning one batch at "
+               "micro-batch 1 (called under torch.device('meta')), and --input-format unpack_sequence or "
+               "unpack_dict when the batch is passed as forward(*batch) or forward(**batch).")
+
+
+def resolve_model(spec: str, *, sample: str | None = None, input_format: str | None = None) -> ModelSpec:
     """A preset name (:func:`known_models`), a path to a Hugging Face ``config.json`` (or a directory holding
     one), or an import path ``pkg.module:factory`` (a zero-argument callable returning an ``nn.Module``; it is
-    called under ``torch.device("meta")``).
+    called under ``torch.device("meta")``). Import paths are resolved with the current directory on
+    ``sys.path``, as ``python -m`` does.
+
+    Args:
+        sample: for a factory: ``pkg.module:fn``, a zero-argument function returning one batch at micro-batch 1
+            (what the model's forward takes; needed unless the model is a Hugging Face LM taking
+            ``input_ids``/``labels``).
+        input_format: how that batch is passed: None -> ``model(batch)``, ``"unpack_sequence"`` ->
+            ``model(*batch)``, ``"unpack_dict"`` -> ``model(**batch)`` (as ``auto_accelerate``'s).
 
     Raises:
         ModelSpecError: an unknown name (the known ones listed, with the closest match), an unreadable or
-            invalid config file, or a factory that cannot be imported.
+            invalid config file, a factory or sample function that cannot be imported, a sample or input
+            format given for a model that is not a factory, or an unknown input format.
     """
+    spec_ = _resolve_model(spec)
+    if sample is None and input_format is None:
+        return spec_
+    if spec_.factory is None:
+        raise ModelSpecError(f"--sample/--input-format are for a factory model (pkg.module:fn); {spec_.name} "
+                             f"builds its own input (input_ids and labels).")
+    if input_format not in (None, "unpack_sequence", "unpack_dict"):
+        raise ModelSpecError(f"--input-format {input_format!r}: use unpack_sequence or unpack_dict (or leave it out "
+                             f"for model(batch)).")
+    if sample is None:
+        raise ModelSpecError("--input-format says how a batch is passed; give the batch with --sample pkg.module:fn.")
+    if not _FACTORY_PATH.match(sample.strip()):
+        raise ModelSpecError(f"--sample {sample!r}: write pkg.module:function (a zero-argument function returning "
+                             f"one batch at micro-batch 1).")
+    spec_.sample = _import_callable(sample.strip(), "sample function")
+    spec_.input_format = input_format
+    return spec_
+
+
+def _resolve_model(spec: str) -> ModelSpec:
     s = str(spec).strip()
     key = s.lower()
     if key in PRESETS:
@@ -219,19 +281,36 @@ def _from_config_file(p: Path) -> ModelSpec:
 
 
 def _from_factory(s: str) -> ModelSpec:
+    return ModelSpec(s, s, factory=_import_callable(s, "model factory"))
+
+
+def _import_callable(s: str, what: str) -> Callable[[], Any]:
+    """``pkg.module:attr.path`` imported with the current directory on ``sys.path`` (``python -m``'s rule:
+    a module of the project the user runs ``loom`` from is found without PYTHONPATH).
+
+    Raises:
+        ModelSpecError: the module cannot be imported, has no such attribute, or it is not callable.
+    """
+    import os
+    import sys
+
     mod_name, _, attr = s.partition(":")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
-        raise ModelSpecError(f"cannot import {mod_name!r} for the model factory {s!r}: {e}") from e
+        raise ModelSpecError(f"cannot import {mod_name!r} for the {what} {s!r}: {e} (searched the current "
+                             f"directory {cwd} and PYTHONPATH)") from e
     fn = mod
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
-            raise ModelSpecError(f"{mod_name} has no {attr!r} (model factory {s!r}).")
+            raise ModelSpecError(f"{mod_name} has no {attr!r} ({what} {s!r}).")
     if not callable(fn):
-        raise ModelSpecError(f"{s} is not callable; the factory must be a function returning an nn.Module.")
-    return ModelSpec(s, s, factory=fn)
+        raise ModelSpecError(f"{s} is not callable; the {what} must be a zero-argument function.")
+    return fn
 
 
 def _default_job_model() -> ModelSpec:
