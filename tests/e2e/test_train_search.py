@@ -73,3 +73,20 @@ def test_checkpoints_without_plan_refused(runs, cache, tmp_path):
         (tmp_path / "strategy.json").rename(out / "strategy.json")
     assert proc.returncode == 2, proc.stdout[-3000:]
     assert "no searched plan" in proc.stdout and "--set strategy=[...]" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_search_summary_logged_once(runs):
+    _, first, _ = runs
+    summary = [ln for ln in first.stdout.splitlines() if "predicted candidates fit" in ln]
+    assert len(summary) == 1, summary
+
+
+def test_plan_for_another_nproc_is_one_clean_error(runs, cache, tmp_path):
+    out, first, second = runs
+    assert second is not None and second.returncode == 0
+    proc = loom(out, cache, tmp_path, "--nproc", "1")  # the plan and the checkpoints are for 2 ranks
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("[loom] error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    assert "the plan is for 2 ranks, this job has 1" in errors[0] and "same --nproc" in errors[0], errors[0]
+    assert "docs/reshard.md" in errors[0] and "on_mismatch=research" in errors[0], errors[0]
