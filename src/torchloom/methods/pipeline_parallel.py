@@ -101,9 +101,10 @@ class PipelineParallel(Method):
         loads = stage_loads(info, c, p)
         nb = max(info.num_blocks, 1)
         blocks_act, rest_act = activation_bytes(info, step)
-        block_p = sum(q.params * q.count for q in info.blocks) / nb
+        from ..search.effects import block_params, embed_params
+
+        block_p = block_params(info)
         rest_p = info.rest.params if info.rest is not None else 0
-        from ..search.effects import embed_params
 
         emb = embed_params(info)
         head = max(rest_p - emb, emb if info.tied else 0)

@@ -102,8 +102,8 @@ class TensorParallel(Method):
         * DTensor: each sharded Linear's forward + backward costs ``_DTENSOR_OPS_PER_LINEAR`` dispatched ops
           more (from_local, sharding propagation, redistribute, to_local around each sharded matmul).
         """
-        from ..search.effects import (Collective, Effects, activation_bytes, blocks_per_rank, dtype_bytes,
-                                      hidden_bytes)
+        from ..search.effects import (Collective, Effects, activation_bytes, attention_is_eager, blocks_per_rank,
+                                      dtype_bytes, hidden_bytes)
 
         t = dims.tp
         if t <= 1:
@@ -111,8 +111,7 @@ class TensorParallel(Method):
         sp, lp = "sequence_parallel" in step.methods, "loss_parallel" in step.methods
         h, a = info.dims.get("hidden_size", 0), info.dims.get("num_heads", 0)
         # the attention-score term only where attention materialises its scores (eager); SDPA keeps none
-        cfg = getattr(info.module, "config", None)
-        eager = getattr(cfg, "_attn_implementation", "sdpa") == "eager"
+        eager = attention_is_eager(info)
         att = 5.0 * a * step.seq_len / h if h and a and eager else 0.0
         blk = 1.0 / t if sp else (10 + 24 / t + att / t) / (34 + att)
         blocks, rest = activation_bytes(info, step)

@@ -158,6 +158,25 @@ class Effects:
 
 
 # -- arithmetic the estimate hooks share ----------------------------------------------------------------
+def _memo(info, key, fn):
+    """``fn()`` memoised on ``info`` (a ModelInfo is not changed after the analysis; the cost model calls
+    these per candidate, thousands of times per plan)."""
+    memo = info.__dict__.setdefault("_effects_memo", {})
+    if key not in memo:
+        memo[key] = fn()
+    return memo[key]
+
+
+def attention_is_eager(info) -> bool:
+    """Whether the analysed model's attention materialises its scores (a transformers config with
+    ``_attn_implementation == "eager"``; SDPA and models without a config keep none)."""
+    def eager():
+        cfg = getattr(info.module, "config", None)
+        return getattr(cfg, "_attn_implementation", "sdpa") == "eager"
+
+    return _memo(info, ("eager",), eager)
+
+
 def dtype_bytes(name: str) -> int:
     """Bytes per element of a dtype name (4 for an unknown name)."""
     return DTYPE_BYTES.get(name, 4)
@@ -171,10 +190,13 @@ def blocks_per_rank(info, dims) -> int:
 def embed_params(info) -> int:
     """Parameter elements of the input embedding (``vocab_size x hidden_size`` when both are known, else half
     of the non-block rest: embedding and head)."""
-    rest = info.rest
-    total = rest.params if rest is not None else 0
-    v, h = info.dims.get("vocab_size"), info.dims.get("hidden_size")
-    return min(total, v * h) if v and h else total // 2
+    def embed():
+        rest = info.rest
+        total = rest.params if rest is not None else 0
+        v, h = info.dims.get("vocab_size"), info.dims.get("hidden_size")
+        return min(total, v * h) if v and h else total // 2
+
+    return _memo(info, ("embed_params",), embed)
 
 
 def rank_params(info, dims, *, trainable: bool = False) -> float:
@@ -184,9 +206,9 @@ def rank_params(info, dims, *, trainable: bool = False) -> float:
     (norms are replicated over tp ranks: a small overcount of the saving)."""
     attr = "trainable" if trainable else "params"
     nb = max(info.num_blocks, 1)
-    block_total = sum(getattr(p, attr) * p.count for p in info.blocks)
-    rest = info.rest
-    rest_total = getattr(rest, attr) if rest is not None else 0
+    block_total, rest_total = _memo(info, ("totals", attr), lambda: (
+        sum(getattr(p, attr) * p.count for p in info.blocks),
+        getattr(info.rest, attr) if info.rest is not None else 0))
     if dims.pp > 1:
         embed = min(embed_params(info), rest_total)
         head = rest_total - embed if not info.tied else max(rest_total - embed, embed)
@@ -196,8 +218,8 @@ def rank_params(info, dims, *, trainable: bool = False) -> float:
 
 def block_params(info) -> float:
     """Mean parameter elements of one block instance."""
-    nb = max(info.num_blocks, 1)
-    return sum(p.params * p.count for p in info.blocks) / nb
+    return _memo(info, ("block_params",), lambda: sum(p.params * p.count for p in info.blocks)
+                 / max(info.num_blocks, 1))
 
 
 def hidden_bytes(info, step, dtype: str | None = None) -> float:
@@ -211,11 +233,12 @@ def activation_bytes(info, step) -> tuple[float, float]:
     """Baseline activations of one micro-batch: ``(blocks, rest)`` bytes in the compute dtype (the analysed
     sequence length scaled to ``step.seq_len``)."""
     scale = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
+    dt = step.compute_dtype
 
     def act(p):
-        a = p.act_bytes.get(step.compute_dtype)
-        return a if a is not None else p.act_bytes.get("float32", 0.0) * dtype_bytes(step.compute_dtype) / 4
+        a = p.act_bytes.get(dt)
+        return a if a is not None else p.act_bytes.get("float32", 0.0) * dtype_bytes(dt) / 4
 
-    blocks = sum(act(p) * p.count for p in info.blocks) * scale
-    rest = act(info.rest) * scale if info.rest is not None else 0.0
-    return blocks, rest
+    blocks, rest = _memo(info, ("act", dt), lambda: (sum(act(p) * p.count for p in info.blocks),
+                                                      act(info.rest) if info.rest is not None else None))
+    return blocks * scale, rest * scale if rest is not None else 0.0
