@@ -356,12 +356,10 @@ def _loader_args(cand: Candidate, dataloader_args: dict | None) -> dict[str, Any
     """The candidate's batch split as auto_accelerate's dataloader_args: ``candidate.global_batch`` samples per
     step; per-rank loader batch = ``micro_batch`` (x the pipeline's micro-batch count under pipeline
     parallelism: one pipelined ``train_step`` call runs all of them)."""
+    from .plan_file import batch_args  # the one rule, shared with plan files and the final run
+
     args = {k: v for k, v in (dataloader_args or {}).items() if k not in ("batch_size", "micro_batch_size")}
-    per_call = cand.micro_batch
-    if cand.dims.pp > 1:
-        n = (cand.config("pipeline_parallel") or {}).get("num_microbatches") or cand.grad_accum
-        per_call *= n
-    args.update(batch_size=cand.global_batch, micro_batch_size=per_call)
+    args.update(batch_args(cand))
     return args
 
 
