@@ -7,6 +7,8 @@ tensor parallel under fsdp, a pipeline schedule under ddp) run as ``apply`` runs
 """
 from __future__ import annotations
 
+import weakref
+
 from ..errors import StrategyError
 from ..parallel.mesh import ParallelDims
 from ..strategy.strategy import Strategy, StrategyLike
@@ -47,7 +49,7 @@ def validate_strategy(strategy: StrategyLike, info: ModelInfo, dims: ParallelDim
     return strategy
 
 
-_MODEL_CHECKS: "weakref.WeakKeyDictionary" = None  # model -> {key: None (passed) | StrategyError}
+_MODEL_CHECKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {key: None | StrategyError}
 
 
 def memo_model_check(model, key: tuple, check) -> None:
@@ -60,11 +62,6 @@ def memo_model_check(model, key: tuple, check) -> None:
     Raises:
         StrategyError: the check's own, re-raised each time.
     """
-    import weakref
-
-    global _MODEL_CHECKS
-    if _MODEL_CHECKS is None:
-        _MODEL_CHECKS = weakref.WeakKeyDictionary()
     done = _MODEL_CHECKS.setdefault(model, {})
     if key not in done:
         try:
