@@ -119,7 +119,10 @@ class StepShape:
 
 
 def _dtype_name(s: str) -> str:
-    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(s, s)
+    """Canonical dtype name of an amp/half ``dtype`` option (their own table of spellings)."""
+    from ..methods.amp import DTYPES
+
+    return str(DTYPES[s]).removeprefix("torch.") if s in DTYPES else s
 
 
 @dataclass
