@@ -54,3 +54,36 @@ def full_params(model) -> dict[str, torch.Tensor]:
     # cpu_offload=True would leave the full dict on rank 0 only; every rank needs it here
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     return {k: v.detach().float().cpu().clone() for k, v in sd.items()}
+
+
+def tiny_moe_config(family: str = "mixtral", experts: int = 4, top_k: int = 2, layers: int = 2, vocab: int = 128,
+                    **kw):
+    """A tiny Hugging Face MoE config: ``family`` in ``mixtral``, ``qwen2_moe``, ``qwen3_moe`` (fused 3-D
+    experts in the pinned transformers). ``output_router_logits=True`` so the model adds its load-balancing
+    loss to ``output.loss``."""
+    common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, output_router_logits=True,
+                  num_experts_per_tok=top_k)
+    if family == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(intermediate_size=48, num_local_experts=experts, **{**common, **kw})
+    if family == "qwen2_moe":
+        from transformers import Qwen2MoeConfig
+
+        return Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=32,
+                              num_experts=experts, decoder_sparse_step=1, norm_topk_prob=False, **{**common, **kw})
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=24, num_experts=experts,
+                              decoder_sparse_step=1, norm_topk_prob=True, head_dim=8, **{**common, **kw})
+    raise ValueError(f"unknown MoE family {family!r}")
+
+
+def tiny_moe(family: str = "mixtral", seed: int = 0, **kw):
+    """A tiny HF MoE causal LM (see :func:`tiny_moe_config`), initialised from ``seed``, fp32."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_moe_config(family, **kw))

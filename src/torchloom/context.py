@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .parallel.mesh import ParallelDims, ParallelMesh
+from .parallel.param_groups import ParamGroups
 from .strategy.strategy import Strategy
 
 log = logging.getLogger("torchloom")
@@ -55,6 +56,9 @@ class AccelContext:
     grad_norm_groups: list[Any] = field(default_factory=list)
     #: ``hook(params)`` run at each optimizer step before unscaling/clipping (e.g. tied weights across stages)
     pre_step_hooks: list[Callable[[list], None]] = field(default_factory=list)
+    #: which mesh each parameter group is sharded/reduced over (dense -> dp; experts -> ep/edp); see
+    #: ``torchloom.parallel.param_groups``. Written by ``expert_parallel``, read by fsdp/ddp/zero1/clipping.
+    param_groups: ParamGroups = field(default_factory=ParamGroups)
     #: human-readable log of what each method did (printed by `loom plan`/`--verbose`)
     notes: list[str] = field(default_factory=list)
 

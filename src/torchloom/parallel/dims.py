@@ -2,9 +2,10 @@
 named view, and which views cross node boundaries (the planning side of :class:`~torchloom.parallel.mesh.
 ParallelMesh`, which builds the live mesh only when a strategy is applied).
 
-Views follow the mesh's layout (outermost first ``pp, dp_replicate, dp_shard, ep, tp``; ranks are numbered
+Views follow the mesh's layout (outermost first ``pp, dp_replicate, dp_shard, tp``; ranks are numbered
 row-major, so ``tp`` peers are adjacent ranks): ``dp`` = dp_replicate x dp_shard (what ``mesh["dp"]`` gives),
-``dp_shard``, ``dp_replicate``, ``tp``, ``pp``, ``ep``.
+``dp_shard``, ``dp_replicate``, ``tp``, ``pp``, and the expert views carved out of ``dp``: ``ep`` (the inner
+``ep`` data-parallel ranks: stride ``tp``) and ``edp`` = dp / ep (stride ``ep x tp``).
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from .mesh import DIM_NAMES, ParallelDims
 
 #: the named views of a mesh and the dimensions each one spans
 VIEWS: dict[str, tuple[str, ...]] = {
-    "pp": ("pp",), "dp_replicate": ("dp_replicate",), "dp_shard": ("dp_shard",), "ep": ("ep",), "tp": ("tp",),
-    "dp": ("dp_replicate", "dp_shard"),
+    "pp": ("pp",), "dp_replicate": ("dp_replicate",), "dp_shard": ("dp_shard",), "tp": ("tp",),
+    "dp": ("dp_replicate", "dp_shard"), "ep": ("ep",), "edp": ("edp",),
 }
 
 
@@ -59,6 +60,8 @@ def view_size(dims: ParallelDims, view: str) -> int:
     """
     if view not in VIEWS:
         raise StrategyError(f"unknown mesh view {view!r}; valid: {', '.join(VIEWS)}.")
+    if view == "edp":
+        return dims.edp
     size = 1
     for d in VIEWS[view]:
         size *= getattr(dims, d)
@@ -66,7 +69,10 @@ def view_size(dims: ParallelDims, view: str) -> int:
 
 
 def view_stride(dims: ParallelDims, view: str) -> int:
-    """Distance in global rank between neighbouring members of the view's innermost dimension (``tp``: 1)."""
+    """Distance in global rank between neighbouring members of the view's innermost dimension (``tp``: 1;
+    ``ep``: ``tp``, the inner data-parallel ranks; ``edp``: ``ep x tp``)."""
+    if view in ("ep", "edp"):
+        return dims.tp * (dims.ep if view == "edp" else 1)
     inner = DIM_NAMES.index(VIEWS[view][-1])
     stride = 1
     for d in DIM_NAMES[inner + 1:]:
@@ -90,8 +96,11 @@ def spans_nodes(dims: ParallelDims, view: str, ranks_per_node: int) -> bool:
     if size <= 1:
         return False
     # extent of one group in global ranks: the outermost dimension's stride times its degree
-    outer = VIEWS[view][0]
-    extent = view_stride(dims, outer) * getattr(dims, outer)
+    if view in ("ep", "edp"):
+        extent = view_stride(dims, view) * size
+    else:
+        outer = VIEWS[view][0]
+        extent = view_stride(dims, outer) * getattr(dims, outer)
     return extent > ranks_per_node or ranks_per_node % extent != 0
 
 

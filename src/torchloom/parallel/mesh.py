@@ -1,10 +1,17 @@
 """`ParallelMesh`: the one object that owns the DeviceMesh and answers every rank/group question.
 
-Named dimensions, outermost first: ``pp`` (pipeline), ``dp_replicate`` (DDP / HSDP replicas),
-``dp_shard`` (FSDP / ZeRO shards), ``ep`` (expert), ``tp`` (tensor). A degree of 1 is allowed
-everywhere; one degree may be -1, meaning "the rest of the world". Methods never create process groups:
-they ask this object for sub-meshes (``mesh["dp"]`` is dp_replicate x dp_shard flattened).
-Follows torchtitan's ``ParallelDims``.
+Named dimensions of the world mesh, outermost first: ``pp`` (pipeline), ``dp_replicate`` (DDP / HSDP
+replicas), ``dp_shard`` (FSDP / ZeRO shards), ``tp`` (tensor); their degrees multiply to the world size. A
+degree of 1 is allowed everywhere; one degree may be -1, meaning "the rest of the world". Methods never
+create process groups: they ask this object for sub-meshes (``mesh["dp"]`` is dp_replicate x dp_shard
+flattened).
+
+Expert parallelism does not multiply the world: ``ep`` is carved out of the data-parallel ranks (the
+standard layout of torchtitan and Megatron-Core). The flattened ``dp`` view is split row-major into
+``edp x ep`` (``ep`` innermost, so expert peers are the closest data-parallel ranks: inside ``dp_shard``
+first). Dense parameters are reduced over ``dp``; expert parameters are sharded over ``ep`` and reduced
+over ``edp`` = dp / ep (the expert-data-parallel view). Dense layers still see all ``dp`` ranks reading
+different data. Follows torchtitan's ``ParallelDims`` (``torchtitan/distributed/parallel_dims.py``).
 """
 from __future__ import annotations
 
@@ -17,12 +24,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..errors import StrategyError
 
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+#: dimensions of the world mesh (their degrees multiply to the world size)
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+#: views carved out of ``dp`` for expert parallelism: ``edp x ep`` = ``dp``
+EXPERT_VIEWS = ("edp", "ep")
 
 
 @dataclass
 class ParallelDims:
-    """Degrees of each mesh dimension (-1 = fill with the rest of the world)."""
+    """Degrees of each mesh dimension (-1 = fill with the rest of the world).
+
+    ``pp x dp_replicate x dp_shard x tp`` = world size; ``ep`` is not a factor of the world but a divisor of
+    ``dp`` (= dp_replicate x dp_shard): expert peers are data-parallel ranks (see the module docstring).
+    """
 
     pp: int = 1
     dp_replicate: int = 1
@@ -38,6 +52,12 @@ class ParallelDims:
                 different from the world size (the message shows the degrees and the fix).
         """
         d = asdict(self)
+        ep = d.pop("ep")
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise StrategyError(
+                f"mesh degree ep={ep!r} is invalid; use a positive integer (ep is carved out of the data-parallel "
+                "ranks, so it cannot be -1)."
+            )
         for k, v in d.items():
             if v != -1 and v < 1:
                 raise StrategyError(f"mesh degree {k}={v} is invalid; use a positive integer or -1 (the rest).")
@@ -57,11 +77,23 @@ class ParallelDims:
                 f"mesh degrees {_fmt(d)} multiply to {fixed} but the world size is {world_size}; make the product equal "
                 f"the number of processes or set one degree to -1."
             )
-        return ParallelDims(**d)
+        dp = d["dp_replicate"] * d["dp_shard"]
+        if dp % ep:
+            raise StrategyError(
+                f"ep={ep} does not divide the data-parallel degree dp={dp} (dp_replicate={d['dp_replicate']} x "
+                f"dp_shard={d['dp_shard']}): expert-parallel ranks are carved out of the data-parallel ranks "
+                f"(ep x edp = dp). Choose ep among {[k for k in range(1, dp + 1) if dp % k == 0]}, or raise dp."
+            )
+        return ParallelDims(**d, ep=ep)
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: the ranks holding the same experts (dp / ep)."""
+        return self.dp // self.ep
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -78,9 +110,13 @@ class ParallelMesh:
         dims: resolved degrees (product = world size).
         device_type: ``"cpu"``, ``"cuda"``, ...
 
-    Sub-meshes: ``mesh[name]`` for a dim name, ``"dp"`` (replicate x shard), ``"dp_shard_ep"`` is not
-    defined yet. ``mesh.dims`` gives degrees; ``dp_rank``/``dp_size`` say which data shard this rank reads
-    (tensor- and pipeline-parallel peers read the same data).
+    Sub-meshes: ``mesh[name]`` for a dim name, ``"dp"`` (replicate x shard), and the expert views ``"ep"``,
+    ``"edp"`` and ``"sparse"`` (the 2-D ``(edp, ep)`` mesh expert parameters live on; ``mesh["ep"]`` and
+    ``mesh["edp"]`` are its dimensions, so FSDP over ``edp`` accepts parameters sharded over ``ep``). The
+    expert views exist on every mesh (degree 1 when ``ep == 1``) and are built on first use: every rank
+    must ask for them at the same point (``expert_parallel`` does during ``apply``). ``mesh.dims`` gives
+    degrees; ``dp_rank``/``dp_size`` say which data shard this rank reads (tensor- and pipeline-parallel peers
+    read the same data; expert peers read different data).
     """
 
     def __init__(self, dims: ParallelDims, device_type: str = "cpu"):
@@ -95,13 +131,23 @@ class ParallelMesh:
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
         if isinstance(name, str) and name in self._flat:
             return self._flat[name]
+        if isinstance(name, str) and name in (*EXPERT_VIEWS, "sparse"):
+            sparse = self._sparse()
+            return sparse if name == "sparse" else sparse[name]
         try:
             return self.world[name]
         except (KeyError, RuntimeError, ValueError) as e:
-            raise StrategyError(f"no mesh dimension {name!r}; valid: {list(DIM_NAMES) + list(self._flat)}") from e
+            raise StrategyError(
+                f"no mesh dimension {name!r}; valid: {list(DIM_NAMES) + ['dp', *EXPERT_VIEWS, 'sparse']}") from e
+
+    def _sparse(self) -> DeviceMesh:
+        """The ``(edp, ep)`` mesh: ``dp`` unflattened (``ep`` innermost). Built once; a collective call."""
+        if "sparse" not in self._flat:
+            self._flat["sparse"] = self._flat["dp"]._unflatten(0, (self.dims.edp, self.dims.ep), EXPERT_VIEWS)
+        return self._flat["sparse"]
 
     def degree(self, name: str) -> int:
-        return self.dims.dp if name == "dp" else getattr(self.dims, name)
+        return {"dp": self.dims.dp, "edp": self.dims.edp}.get(name) or getattr(self.dims, name)
 
     def group(self, name: str) -> dist.ProcessGroup:
         """The process group of one dimension (or ``"dp"``)."""
@@ -117,7 +163,6 @@ class ParallelMesh:
 
     def __repr__(self) -> str:
         return f"ParallelMesh({_fmt(self.dims.as_dict())}, device_type={self.device_type!r})"
-
 
 
 _CURRENT: tuple[ParallelMesh, object] | None = None  # (mesh, the default process group it was built on)
