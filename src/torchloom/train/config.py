@@ -27,8 +27,30 @@ class ConfigError(TorchloomError, ValueError):
 
 
 @dataclass
+class MoEConfig:
+    """The Mixture-of-Experts variant of the job's model (``model.moe``; docs/train.md, "Mixture of experts").
+
+    num_experts: experts per layer; 0 (the default) = the dense ``LlamaForCausalLM``. With ``num_experts > 0``
+        the job builds a Hugging Face ``MixtralForCausalLM`` with the same sizes, every MLP replaced by
+        ``num_experts`` SwiGLU experts of width ``model.intermediate_size`` (fused 3-D parameters) and a linear
+        router (Mixtral: softmax over the experts, top-k, the k weights renormalised).
+    top_k: experts per token (Mixtral's ``num_experts_per_tok``), 1 <= top_k <= num_experts.
+    aux_loss_weight: weight of the load-balancing loss (Hugging Face ``router_aux_loss_coef``; Switch
+        Transformer, Fedus et al. 2021, eq. 4, uses 1e-2) added to the training loss; 0 = report it only.
+    router_jitter_noise: multiplicative uniform noise on the router input while training (Mixtral's
+        ``router_jitter_noise``; 0 = none, deterministic routing).
+    """
+
+    num_experts: int = 0
+    top_k: int = 2
+    aux_loss_weight: float = 0.01
+    router_jitter_noise: float = 0.0
+
+
+@dataclass
 class ModelConfig:
-    """A LLaMA-style decoder (Hugging Face ``LlamaForCausalLM``), built from these sizes, never downloaded.
+    """A LLaMA-style decoder (Hugging Face ``LlamaForCausalLM``), built from these sizes, never downloaded;
+    with ``moe.num_experts > 0`` its Mixture-of-Experts variant (``MixtralForCausalLM``, :class:`MoEConfig`).
 
     ``vocab_size`` is the size the BPE tokenizer is trained to (the model uses the tokenizer's actual size).
     """
@@ -42,6 +64,12 @@ class ModelConfig:
     seq_len: int = 128
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def is_moe(self) -> bool:
+        """True when the job builds the Mixture-of-Experts variant (``moe.num_experts > 0``)."""
+        return self.moe.num_experts > 0
 
 
 @dataclass
@@ -171,6 +199,10 @@ class ParallelConfig:
     pp: pipeline-parallel degree (stages; docs/methods/pipeline_parallel.md).
     dp_replicate / dp_shard: data-parallel degrees (None = the rest: dp_shard with fsdp, else dp_replicate).
     sequence_parallel / loss_parallel: add those methods (need tp > 1).
+    ep: expert-parallel degree (needs ``model.moe.num_experts > 0``): adds ``expert_parallel``; the experts of
+        every layer are split over ``ep`` data-parallel ranks and tokens reach them by all-to-all
+        (docs/expert_parallel.md). Not a factor of the world: it must divide the data-parallel degree and
+        ``model.moe.num_experts``.
     pp_schedule: gpipe, 1f1b, interleaved_1f1b or zero_bubble. pp_microbatches: pipeline micro-batches per
     train step (None = the number of stages).
     """
@@ -181,6 +213,7 @@ class ParallelConfig:
     dp_shard: int | None = None
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    ep: int = 1
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None
 
@@ -252,6 +285,7 @@ class TrainConfig:
             raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}.")
         if m.seq_len < 2:
             raise ConfigError(f"model.seq_len={m.seq_len} must be at least 2 (inputs and next-token labels).")
+        self._validate_moe()
         if t.micro_batch is not None and t.micro_batch <= 0:
             raise ConfigError(f"train.micro_batch={t.micro_batch} must be positive or null.")
         for name in ("warmup",):
@@ -306,6 +340,40 @@ class TrainConfig:
         except Exception as e:  # noqa: BLE001 - surface the strategy's own message
             raise ConfigError(f"strategy={self.full_strategy()!r} is invalid: {e}") from e
 
+    def _validate_moe(self) -> None:
+        """``model.moe`` values and ``parallel.ep`` against them (the data-parallel degree is checked in
+        :meth:`check_fits`, once the world size is known)."""
+        moe, ep = self.model.moe, self.parallel.ep
+        for k in ("num_experts", "top_k"):
+            v = getattr(moe, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"model.moe.{k}={v!r} must be a non-negative integer.")
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ConfigError(f"parallel.ep={ep!r} must be a positive integer.")
+        if not moe.aux_loss_weight >= 0 or not moe.router_jitter_noise >= 0:
+            raise ConfigError(f"model.moe.aux_loss_weight={moe.aux_loss_weight} and model.moe.router_jitter_noise="
+                              f"{moe.router_jitter_noise} must be >= 0.")
+        if not moe.num_experts:
+            if ep > 1:
+                raise ConfigError(f"parallel.ep={ep} splits experts over ranks, but the model is dense "
+                                  "(model.moe.num_experts=0); set model.moe.num_experts (e.g. 8) or parallel.ep=1.")
+            return
+        if not 1 <= moe.top_k <= moe.num_experts:
+            raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts="
+                              f"{moe.num_experts}.")
+        if moe.num_experts % ep:
+            valid = [d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]
+            raise ConfigError(f"parallel.ep={ep} does not divide model.moe.num_experts={moe.num_experts}: every "
+                              f"expert-parallel rank holds the same number of experts. Valid parallel.ep: "
+                              f"{', '.join(map(str, valid))} (also a divisor of the data-parallel degree).")
+        if self.parallel.pp > 1:
+            raise ConfigError(f"model.moe with parallel.pp={self.parallel.pp}: the job adds the model's "
+                              "load-balancing loss from its output (output.aux_loss), which a pipelined model does "
+                              "not return; use parallel.pp=1 (data, tensor and expert parallelism) for the MoE model.")
+        if self.parallel.sequence_parallel and ep > 1:
+            raise ConfigError("parallel.sequence_parallel with parallel.ep > 1 is not supported (tokens sharded over "
+                              "tp would need the expert gradients reduced over tp too); drop one of them.")
+
     def check_fits(self, world_size: int) -> None:
         """Check that the mesh degrees and the batch split fit ``world_size`` processes, before any starts.
 
@@ -323,6 +391,7 @@ class TrainConfig:
         if self.is_auto:  # the search chooses the degrees and the batch split (and names what cannot fit)
             return
         strategy = self.full_strategy()
+        self.check_expert_degree(world_size)
         try:
             dims = plan_dims(strategy, world_size)
             plan = plan_batches(self.train.global_batch, self.train.micro_batch, dims.dp)
@@ -337,6 +406,24 @@ class TrainConfig:
                     f"train.global_batch / {dims.dp} data-parallel ranks) does not split into {n} pipeline "
                     f"micro-batches; make it a multiple of {n} or set parallel.pp_microbatches to a divisor of it.")
         self.check_model_fits(dims.tp, dims.pp)
+
+    def check_expert_degree(self, world_size: int) -> None:
+        """Check ``parallel.ep`` against the data-parallel degree on ``world_size`` processes (``ep`` is carved out
+        of the data-parallel ranks: it must divide ``dp`` = world / (tp x pp)) and ``model.moe.num_experts``.
+
+        Raises:
+            ConfigError: naming ``parallel.ep``, dp, the number of experts and the valid degrees (divisors of both).
+        """
+        p, e = self.parallel, self.model.moe.num_experts
+        if p.ep == 1 or world_size % (p.tp * p.pp):
+            return  # ep=1 always fits; a tp x pp that does not divide the world is named by plan_dims
+        dp = world_size // (p.tp * p.pp)
+        if dp % p.ep:
+            valid = [d for d in range(1, dp + 1) if dp % d == 0 and e % d == 0]
+            raise ConfigError(f"parallel.ep={p.ep} does not divide the data-parallel degree dp={dp} ({world_size} "
+                              f"processes / tp={p.tp} / pp={p.pp}): expert-parallel ranks are carved out of the "
+                              f"data-parallel ranks. Valid parallel.ep for {world_size} processes and "
+                              f"model.moe.num_experts={e}: {', '.join(map(str, valid))}.")
 
     def check_model_fits(self, tp: int, pp: int) -> None:
         """Check the tensor- and pipeline-parallel degrees against the model this config builds (a
@@ -375,7 +462,7 @@ class TrainConfig:
 
     def search_options(self) -> dict[str, Any]:
         """The ``search`` section as ``auto_accelerate``'s ``search=`` dict, with the ``parallel`` section's
-        degrees given (``tp``, ``pp``, ``dp_replicate``, ``dp_shard`` other than the defaults) pinned in
+        degrees given (``tp``, ``pp``, ``ep``, ``dp_replicate``, ``dp_shard`` other than the defaults) pinned in
         ``fixed`` and ``train.micro_batch`` as ``fixed.micro_batch``.
 
         Raises:
@@ -390,7 +477,7 @@ class TrainConfig:
             raise ConfigError("search.model_factory cannot be set in a config: the job builds its model itself.")
         fixed = dict(opts.get("fixed") or {})
         p = self.parallel
-        pinned = {k: v for k, v in (("tp", p.tp), ("pp", p.pp)) if v != 1}
+        pinned = {k: v for k, v in (("tp", p.tp), ("pp", p.pp), ("ep", p.ep)) if v != 1}
         pinned.update({k: getattr(p, k) for k in ("dp_replicate", "dp_shard") if getattr(p, k) is not None})
         if self.train.micro_batch is not None:
             pinned["micro_batch"] = self.train.micro_batch
@@ -416,15 +503,15 @@ class TrainConfig:
         p = self.parallel
         if self.is_auto:
             return "auto"  # type: ignore[return-value]
-        for k in ("tp", "pp", "dp_replicate", "dp_shard", "pp_microbatches"):
+        for k in ("tp", "pp", "ep", "dp_replicate", "dp_shard", "pp_microbatches"):
             v = getattr(p, k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"parallel.{k}={v!r} must be a positive integer" + (
-                    "" if k in ("tp", "pp") else " or null") + ".")
+                    "" if k in ("tp", "pp", "ep") else " or null") + ".")
         if (p.sequence_parallel or p.loss_parallel) and p.tp == 1:
             raise ConfigError("parallel.sequence_parallel/loss_parallel shard over the tensor-parallel ranks: set "
                               "parallel.tp > 1 as well.")
-        dims = {k: getattr(p, k) for k in ("pp", "dp_replicate", "dp_shard", "tp")
+        dims = {k: getattr(p, k) for k in ("pp", "dp_replicate", "dp_shard", "tp", "ep")
                 if getattr(p, k) is not None and getattr(p, k) != 1}
         from ..strategy.data_parallel import swap_ddp_for_fsdp
 
@@ -444,6 +531,8 @@ class TrainConfig:
             out.append({"pipeline_parallel": {"schedule": p.pp_schedule, "num_microbatches": p.pp_microbatches}})
         if p.tp > 1 and "tensor_parallel" not in names:
             out.append("tensor_parallel")
+        if p.ep > 1 and "expert_parallel" not in names:
+            out.append("expert_parallel")
         for flag in ("sequence_parallel", "loss_parallel"):
             if getattr(p, flag) and flag not in names:
                 out.append(flag)

@@ -30,19 +30,30 @@ _PREFIX = "[loom]"
 
 # ------------------------------------------------------------------------------------ recipe parts
 def build_model(mc, vocab_size: int, eos_id: int, seed: int):
-    """``LlamaForCausalLM`` from ``mc`` (a :class:`ModelConfig`), initialised from ``seed``, in fp32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The job's model from ``mc`` (a :class:`ModelConfig`), initialised from ``seed``, in fp32:
+    ``LlamaForCausalLM``, or with ``mc.moe.num_experts > 0`` its Mixture-of-Experts variant
+    ``MixtralForCausalLM`` (the same sizes; every MLP becomes ``num_experts`` SwiGLU experts of width
+    ``intermediate_size`` plus a router, ``output_router_logits=True`` so the output carries ``aux_loss``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    config = LlamaConfig(
+    common = dict(
         vocab_size=vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
         num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
         max_position_embeddings=mc.seq_len, tie_word_embeddings=mc.tie_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": mc.rope_theta},
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, use_cache=False,
     )
+    if mc.is_moe:
+        moe = mc.moe
+        config, cls = MixtralConfig(
+            **common, num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+            router_aux_loss_coef=moe.aux_loss_weight, router_jitter_noise=moe.router_jitter_noise,
+            output_router_logits=True, sliding_window=None), MixtralForCausalLM
+    else:
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return cls(config)
 
 
 def causal_lm_loss(batch: dict[str, torch.Tensor], output: Any):
@@ -55,6 +66,42 @@ def causal_lm_loss(batch: dict[str, torch.Tensor], output: Any):
     logits = logits[:, :-1, :].reshape(-1, logits.shape[-1]).float()
     total = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
     return SumLoss(total, (labels != -100).sum())
+
+
+class CausalLMLoss:
+    """The job's ``loss_func``: :func:`causal_lm_loss` plus, for a Mixture-of-Experts model, its load-balancing
+    loss with the model's coefficient, exactly once.
+
+    The model's ``output.aux_loss`` (Hugging Face ``load_balancing_loss_func``: Switch Transformer eq. 4, over
+    this micro-batch's tokens, averaged over layers) is a mean per token, so it enters the summed loss as
+    ``aux_loss_weight * aux_loss * count``: after ``train_step`` divides by the global token count the
+    objective is the mean cross-entropy plus ``aux_loss_weight`` times the token-weighted mean of the
+    micro-batches' aux losses, for any split of the global batch (each rank's micro-batch computes its own
+    aux loss, as Hugging Face and Megatron do). ``output.loss`` (which Hugging Face already adds the aux to)
+    is not used. The aux term is added only when gradients are on (training): the held-out loss stays the
+    plain cross-entropy, comparable with the dense model's.
+
+    ``take()`` returns the ``(cross-entropy per token, aux loss)`` of every training call since the last
+    ``take()`` (floats; aux None without experts), so the job reports the cross-entropy as ``loss`` and the
+    aux loss separately.
+    """
+
+    def __init__(self, aux_loss_weight: float = 0.0):
+        self.aux_loss_weight = float(aux_loss_weight)
+        self._calls: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def __call__(self, batch: dict[str, torch.Tensor], output: Any):
+        out = causal_lm_loss(batch, output)
+        aux = getattr(output, "aux_loss", None)
+        if aux is None or not torch.is_grad_enabled():
+            return out
+        ce = out.total.detach() / out.count.clamp(min=1)
+        self._calls.append((ce, aux.detach().float()))
+        return type(out)(out.total + self.aux_loss_weight * aux.float() * out.count, out.count)
+
+    def take(self) -> list[tuple[float, float | None]]:
+        calls, self._calls = self._calls, []
+        return [(float(ce), None if aux is None else float(aux)) for ce, aux in calls]
 
 
 def adamw(params, *, lr: float, weight_decay: float, betas: tuple[float, float], split_decay: bool = True,
@@ -206,7 +253,11 @@ class Job:
         self.hf_config = model.config
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_matmul = matmul_params(model)
-        from .metrics import flops_per_token
+        from .metrics import active_params, flops_per_token
+
+        # FLOPs count the parameters a token passes through: for experts, top_k of num_experts
+        self.n_active = active_params(model, cfg.model.moe.top_k) if cfg.model.is_moe else self.n_params
+        self.n_matmul -= self.n_params - self.n_active
 
         self.flops_per_token = flops_per_token(self.n_matmul, cfg.model.num_layers, cfg.model.hidden_size, seq)
         t = cfg.train
@@ -218,8 +269,9 @@ class Job:
         strategy, search = self.plan_strategy(cfg, lambda: build_model(cfg.model, c.vocab_size, c.eos_id, t.seed),
                                               signature=signature)
         extra = {} if search is None else {"search": search}
+        self.loss_func = CausalLMLoss(cfg.model.moe.aux_loss_weight if cfg.model.is_moe else 0.0)
         self.res = torchloom.auto_accelerate(
-            model, adamw, self.train_ds, causal_lm_loss, strategy=strategy,
+            model, adamw, self.train_ds, self.loss_func, strategy=strategy,
             optim_args={"lr": t.lr, "weight_decay": t.weight_decay, "betas": (t.beta1, t.beta2),
                         "split_decay": cfg.is_auto or "zero1" not in strategy, "optimizer": t.optimizer,
                         "agd_delta": t.agd_delta, "wsam_rho": t.wsam_rho, "wsam_gamma": t.wsam_gamma},
@@ -240,9 +292,20 @@ class Job:
         if search is not None:
             self.save_searched(res, signature, search)
         self.tokens_per_step = res.global_batch_size * seq
-        self.log(f"model: LlamaForCausalLM, {self.n_params / 1e6:.2f}M parameters ({self.n_matmul / 1e6:.2f}M in "
-                 f"matmuls), {self.flops_per_token / 1e6:.1f} MFLOP/token; global batch {res.global_batch_size} x "
-                 f"{seq} tokens = micro {res.micro_batch_size} x dp {res.mesh.dp_size} x accum {res.grad_accum_steps}")
+        moe_note = ""
+        self.expert_load = None
+        if cfg.model.is_moe:
+            from torchloom.moe import track_expert_load
+
+            mc = cfg.model.moe
+            moe_note = (f" ({mc.num_experts} experts per layer, top-{mc.top_k}: {self.n_active / 1e6:.2f}M active per "
+                        f"token; aux loss weight {mc.aux_loss_weight}; expert parallel ep={res.mesh.dims.ep})")
+            self.expert_load = track_expert_load(res.model)  # per-expert token counts for the metrics
+            self._expert_held = torch.zeros_like(self.expert_load.counts(), dtype=torch.int64).cpu()
+        self.log(f"model: {type(model).__name__}, {self.n_params / 1e6:.2f}M parameters{moe_note} "
+                 f"({self.n_matmul / 1e6:.2f}M in matmuls per token), {self.flops_per_token / 1e6:.1f} MFLOP/token; global batch "
+                 f"{res.global_batch_size} x {seq} tokens = micro {res.micro_batch_size} x dp {res.mesh.dp_size} x "
+                 f"accum {res.grad_accum_steps}")
         if len(res.dataloader) == 0:
             raise ConfigError(f"train.global_batch={t.global_batch} is larger than the {len(self.train_ds)} "
                               "training windows: nothing to train on.")
@@ -388,6 +451,7 @@ class Job:
         share = -(-cfg.batch_size // dp)  # this rank's share of one eval batch, in whole pipeline micro-batches
         loader = eval_loader(data, -(-share // micro) * micro, mesh=res.mesh, pad_to_multiple_of=micro)
         was_training = res.model.training
+        held = self.expert_load.counts().clone() if self.expert_load is not None else None
         res.model.eval()
         total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         with torch.no_grad():
@@ -397,6 +461,9 @@ class Job:
                 total += res.forward_loss(batch).double().cpu() * tokens  # the mean per token times its tokens
                 count += tokens
         res.model.train(was_training)
+        if held is not None:  # the expert counts are of training tokens: drop the held-out forwards
+            self.expert_load.reset()
+            self._expert_held = self._expert_held + held.to(torch.int64).cpu()
         return float(loader.reduce_metrics(total, count))
 
     # -- checkpoints ----------------------------------------------------------------------------------
@@ -515,7 +582,8 @@ class Job:
 
         ts = res.train_step
         accum = res.grad_accum_steps
-        step, micro, loss_acc = start, 0, 0.0
+        step, micro, loss_acc, aux_acc = start, 0, 0.0, 0.0
+        run_expert_tokens = None  # [layers, E] summed over the data-parallel ranks and this run's steps
         run_tokens, run_time, mfus, peaks = 0, 0.0, [], [0] * self.world
         last_saved = start
         self.pbar = Progress(total, start, enabled=self.rank == 0 and cfg.log.progress,
@@ -529,7 +597,12 @@ class Job:
             while step < stop_at:
                 for batch in res.dataloader:
                     loss = ts(batch)
-                    loss_acc += float(loss)
+                    if self.expert_load is not None:  # report the cross-entropy; the aux loss on its own
+                        ce, aux = self.loss_func.take()[0]  # the first call: this micro-batch's (WSAM replays)
+                        loss_acc += ce
+                        aux_acc += aux
+                    else:
+                        loss_acc += float(loss)
                     micro += 1
                     if micro < accum:
                         continue
@@ -541,7 +614,8 @@ class Job:
                         self.goodput.event("first_step", attempt=self.attempt, step=step)
                     self.tokens_seen += self.tokens_per_step
                     if step % cfg.log.interval == 0 or step == stop_at:
-                        stats = torch.tensor([loss_acc / accum, float(self.mem.read()), dt], dtype=torch.float64)
+                        stats = torch.tensor([loss_acc / accum, float(self.mem.read()), dt, aux_acc / accum],
+                                             dtype=torch.float64)
                         gathered = [torch.zeros_like(stats) for _ in range(self.world)]
                         dist.all_gather(gathered, stats)
                         g = torch.stack(gathered)
@@ -562,6 +636,11 @@ class Job:
                             "world_size": self.world, "skipped": bool(ts.last_step_skipped),
                             "t": time.time(), "attempt": self.attempt,
                         }
+                        if self.expert_load is not None:
+                            moe_rec = self._expert_record(float(g[:, 3].mean()))
+                            rec.update(moe_rec)
+                            counts = torch.tensor(moe_rec["expert_tokens"], dtype=torch.int64)
+                            run_expert_tokens = counts if run_expert_tokens is None else run_expert_tokens + counts
                         if cfg.log.sample_ids:
                             ids = [None] * self.world
                             dist.all_gather_object(ids, self.train_ds.take())
@@ -571,7 +650,7 @@ class Job:
                     run_tokens += self.tokens_per_step
                     run_time += dt
                     self.train_time += dt
-                    loss_acc = 0.0
+                    loss_acc = aux_acc = 0.0
                     self.pbar.update(1)
                     if cfg.eval.interval and step % cfg.eval.interval == 0 and step < total:
                         self.last_eval_loss = self.evaluate()
@@ -598,8 +677,25 @@ class Job:
         run = {"start_step": start, "end_step": step, "tokens": run_tokens, "time_s": run_time,
                "tokens_per_s": run_tokens / run_time if run_time else None,
                "mfu": sum(mfus) / len(mfus) if mfus else None, "peak_mem_bytes": peaks, "writer": writer,
-               "last_saved": last_saved}
+               "last_saved": last_saved, "expert_tokens": run_expert_tokens}
         return run
+
+    def _expert_record(self, aux_loss: float) -> dict[str, Any]:
+        """The MoE fields of a train record (collective over the data-parallel ranks): the mean aux loss of the
+        step's micro-batches over the ranks, and the tokens routed to each expert (``[layers][E]``, counted
+        before any capacity dropping, summed over the data-parallel ranks and the steps since the previous
+        record: each token counts ``top_k`` times), with the smallest and largest share of a layer's
+        assignments any expert got (1 / num_experts when balanced). Resets the counts."""
+        from .metrics import expert_shares
+
+        counts = self.expert_load.counts().to(torch.int64).cpu() + self._expert_held
+        self.expert_load.reset()
+        self._expert_held = torch.zeros_like(counts)
+        if self.res.mesh.dp_size > 1:  # tensor-parallel peers route the same tokens: sum over dp only
+            dist.all_reduce(counts, group=self.res.mesh.group("dp"))
+        lo, hi = expert_shares(counts)
+        return {"aux_loss": aux_loss, "aux_loss_weight": self.cfg.model.moe.aux_loss_weight,
+                "expert_tokens": counts.tolist(), "expert_share_min": lo, "expert_share_max": hi}
 
     # -- the end --------------------------------------------------------------------------------------
     def finish(self, run: dict[str, Any]) -> dict[str, Any] | None:
@@ -643,6 +739,17 @@ class Job:
             "weights": str(weights), "checkpoints": str(self.ckpt_root),
             "restarts": self.attempt,
         }
+        if self.cfg.model.is_moe:
+            from .metrics import expert_shares
+
+            counts = run.get("expert_tokens")
+            mc = self.cfg.model.moe
+            summary["moe"] = {
+                "num_experts": mc.num_experts, "top_k": mc.top_k, "aux_loss_weight": mc.aux_loss_weight,
+                "ep": self.res.mesh.dims.ep, "active_params": self.n_active,
+                "expert_tokens": None if counts is None else counts.tolist(),
+                "expert_share_min_max": None if counts is None else list(expert_shares(counts)),
+            }
         if self.rank == 0:
             from .goodput import summarize
 
@@ -669,13 +776,13 @@ class Job:
 def generate_sample(out: Path, weights: Path, sc) -> str:
     """Generate from the exported weights in a plain model on this process (no collectives)."""
     from tokenizers import Tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from torchloom.checkpoint import load_safetensors
 
-    config = LlamaConfig.from_pretrained(out)
+    config = AutoConfig.from_pretrained(out)  # the exported config.json: Llama, or Mixtral for model.moe
     config.use_cache = True
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     load_safetensors(model, weights)
     model.eval()
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))

@@ -7,7 +7,8 @@ the process started, and ``peak_mem_source`` says ``rss_lifetime``).
 
 MFU (model FLOPs utilisation, PaLM, Chowdhery et al. 2022, appendix B):
 ``flops_per_token = 6 * N + 12 * n_layers * hidden * seq_len`` with ``N`` the parameters that take part
-in matmuls (all but the input embedding), and ``mfu = flops_per_token * tokens_per_s / (peak_flops *
+in matmuls (all but the input embedding; for a Mixture-of-Experts model only the ``top_k`` experts a token
+is routed to, :func:`active_params`), and ``mfu = flops_per_token * tokens_per_s / (peak_flops *
 world_size)``. ``peak_flops`` is per rank: a short matmul benchmark on CPU (in the compute dtype, with the
 threads this process has, run on every rank at once so shared cores are accounted for) or the datasheet
 dense peak for known GPUs; ``peak_flops_source`` records which.
@@ -94,6 +95,32 @@ def matmul_params(model: torch.nn.Module) -> int:
             continue
         n += p.numel()
     return n
+
+
+def active_params(model: torch.nn.Module, top_k: int) -> int:
+    """Parameters one token passes through: all of them, except that of each experts module
+    (:mod:`torchloom.moe.protocol`: fused ``[E, ...]`` parameters) only ``top_k`` of its ``E`` experts count.
+    Call on the plain (unsharded) model. For a dense model the total."""
+    from torchloom.moe.protocol import find_experts_modules
+
+    total = sum(p.numel() for p in model.parameters())
+    for _, m in find_experts_modules(model):
+        e = m.num_experts
+        total -= sum(p.numel() for p in m.parameters(recurse=False)) * (e - min(top_k, e)) // e
+    return total
+
+
+def expert_shares(counts: torch.Tensor) -> tuple[float | None, float | None]:
+    """``(smallest, largest)`` share of a layer's routed assignments one expert received, over all layers
+    (``counts``: tokens per expert, ``[layers, E]``); ``1 / E`` both when perfectly balanced, ``(None, None)``
+    when nothing was routed."""
+    counts = counts.to(torch.float64)
+    totals = counts.sum(dim=-1, keepdim=True)
+    used = totals.squeeze(-1) > 0
+    if not bool(used.any()):
+        return None, None
+    shares = counts[used] / totals[used]
+    return float(shares.min()), float(shares.max())
 
 
 def flops_per_token(n_matmul_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
