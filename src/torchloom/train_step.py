@@ -16,6 +16,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from .moe.aux import aux_loss_scale
+from .moe.load import frozen_windows, moe_layers, window_load, window_metrics
 from .parallel.grad_norm import clip_grad_norm_
 from .parallel.loss_scaler import DynamicLossScaler
 
@@ -108,7 +110,16 @@ class TrainStep:
     micro-batch loss (detached fp32 scalar, unscaled; for :class:`SumLoss` the mean per item).
 
     Attributes after an optimizer step: ``last_grad_norm`` (fp32, global, before clipping, or None),
-    ``last_step_skipped`` (fp16 overflow), ``optimizer_steps``.
+    ``last_step_skipped`` (fp16 overflow), ``optimizer_steps``; with :class:`torchloom.moe.MoE` layers
+    ``last_moe_metrics`` (dict of floats: the weighted aux losses of the window averaged over its
+    micro-batches, their sum ``aux_loss``, ``dropped_fraction``) and ``last_expert_load`` ([layers, E] int64
+    assignments per expert over the window, before dropping), this rank's layers only; both None without MoE.
+
+    MoE aux losses (docs/moe.md, "train_step"): their gradient gets exactly the factor the main loss gets:
+    ``1 / grad_accum_steps`` (pipeline: also ``/ num_microbatches``) times the fp16 loss scale; with
+    :class:`SumLoss` the per-token-mean aux of a micro-batch is multiplied by that micro-batch's count, so after
+    the global normalisation it is the token-weighted mean (not supported under pipeline parallelism: the
+    count is known on the last stage only; NotImplementedError). The returned loss stays the main loss.
 
     Two-pass optimizers (:class:`torchloom.optim.WSAM`, SAM-like ones with ``first_step``/``second_step``):
     the window's micro-batches are kept and replayed once more at the perturbed weights at the optimizer
@@ -151,6 +162,10 @@ class TrainStep:
         self._window: list[Any] = []  # this window's prepared micro-batches (two-pass optimizers only)
         if self._two_pass:
             self._check_two_pass()
+        self._moe = moe_layers(model)  # torchloom.moe.MoE layers: aux-loss scale and metrics
+        self._moe_aux = any(m.config.aux_loss_weight > 0 or m.config.z_loss_weight > 0 for m in self._moe)
+        self.last_moe_metrics: dict[str, float] | None = None
+        self.last_expert_load: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------------
     def __call__(self, batch: Any) -> torch.Tensor:
@@ -174,7 +189,9 @@ class TrainStep:
             for make_context in self.step_contexts:
                 stack.enter_context(make_context())
             output = call_model(self.model, batch, self.model_input_format)
+            count_before = self._count
             loss, report = self._loss(batch, output)
+            aux_factor = self._aux_factor(self._count - count_before)
             if loss.grad_fn is None:
                 raise RuntimeError(
                     "the loss does not depend on any trainable parameter (no grad_fn): loss_func must compute it "
@@ -183,7 +200,8 @@ class TrainStep:
             if self.loss_scaler is not None:
                 loss = self.loss_scaler.scale_loss(loss)
             try:
-                loss.backward()
+                with aux_loss_scale(aux_factor):  # read by the MoE layers' aux-loss autograd function
+                    loss.backward()
             except RuntimeError as e:
                 from .parallel.unused_params import explain_ddp_backward_error
 
@@ -214,6 +232,13 @@ class TrainStep:
         # mean over micro-batches: gradients of one global batch equal the full-batch mean
         return out / self.grad_accum_steps, _local(out.detach()).float()
 
+    def _aux_factor(self, count: float, num_microbatches: int = 1) -> float:
+        """The gradient factor of the MoE aux losses: the main loss's own (docstring of the class)."""
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        if self._sum_mode:
+            return count * scale  # per-token mean x tokens: the global count normalisation makes it a mean
+        return scale / (self.grad_accum_steps * num_microbatches)
+
     def _maybe_no_sync(self, sync: bool):
         if self.grad_accum_steps == 1:
             return contextlib.nullcontext()
@@ -233,9 +258,10 @@ class TrainStep:
         fp32 tensor, the mean per item for :class:`SumLoss`. Does not touch gradients or counters.
         Pipelined: a forward-only pass of the schedule, the same value on every rank."""
         if self._pipeline is not None:
-            return self._pipeline_eval(batch)
+            with frozen_windows(self._moe):
+                return self._pipeline_eval(batch)
         batch = self.prepare_input(batch, self.device)
-        with contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack, frozen_windows(self._moe):
             for make_context in self.step_contexts:
                 stack.enter_context(make_context())
             output = call_model(self.model, batch, self.model_input_format)
@@ -270,10 +296,13 @@ class TrainStep:
             num = report * count if self._sum_mode else report
             return loss, num, (count if self._sum_mode else 1.0), count, bool(self._sum_mode)
 
+        self._check_pipeline_sum_aux(self._sum_mode)
         with contextlib.ExitStack() as stack:
             for make_context in self.step_contexts:
                 stack.enter_context(make_context())
+            stack.enter_context(aux_loss_scale(self._aux_factor(0.0, n_mb)))
             stats = self._pipeline.run(batch, self.model_input_format, loss_fn, backward=True)
+        self._check_pipeline_sum_aux(stats["sum_mode"])
         if stats["sum_mode"] is not None:
             if self._sum_mode is not None and self._sum_mode != stats["sum_mode"]:
                 raise TypeError("loss_func must return SumLoss every time or never (gradients of sums and of means "
@@ -284,6 +313,24 @@ class TrainStep:
         if sync:
             self.step()
         return stats["report"]
+
+    def _check_pipeline_sum_aux(self, sum_mode: bool | None) -> None:
+        """SumLoss + MoE aux losses under pipeline parallelism: the aux factor would need each micro-batch's
+        count on every stage, but only the last stage knows it. Decided on every pipeline rank alike (a flag
+        max-reduced over the pipeline group once) so no rank is left waiting in a collective."""
+        if not sum_mode:
+            return
+        if getattr(self, "_pipeline_any_aux", None) is None:
+            flag = torch.tensor([1.0 if self._moe_aux else 0.0], device=self._pipeline.device)
+            group = self._pipeline.pp_group
+            if dist.is_initialized() and dist.get_world_size(group) > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            self._pipeline_any_aux = bool(flag.item())
+        if self._pipeline_any_aux:
+            raise NotImplementedError(
+                "SumLoss with torchloom.moe aux losses under pipeline parallelism: the aux gradient must be weighted "
+                "by each micro-batch's item count, which only the last stage knows. Return a mean loss from "
+                "loss_func, or set the MoE layers' aux_loss_weight and z_loss_weight to 0.")
 
     def _pipeline_eval(self, batch: Any) -> torch.Tensor:
         """``eval_loss`` for a pipelined model: a forward-only schedule pass; the mean over the pipeline
@@ -309,6 +356,7 @@ class TrainStep:
 
     def step(self) -> None:
         """Unscale, normalise (SumLoss), clip, step the optimizer and scheduler, zero the gradients."""
+        self._collect_moe_metrics()
         if self._two_pass:
             return self._two_pass_step()
         params = self._params()
@@ -334,6 +382,15 @@ class TrainStep:
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _collect_moe_metrics(self) -> None:
+        """This window's MoE aux values and expert load (the layers' window sums), then reset them."""
+        if not self._moe:
+            return
+        self.last_moe_metrics = window_metrics(self._moe) or None
+        self.last_expert_load = window_load(self._moe)
+        for m in self._moe:
+            m.reset_window()
 
     def _normalise_by_global_count(self, params) -> None:
         count = torch.tensor([self._count], dtype=torch.float64)
@@ -393,7 +450,7 @@ class TrainStep:
         else:
             opt.first_step(zero_grad=True)
         window, self._window = self._window, []
-        with frozen_running_stats(self.model):
+        with frozen_running_stats(self.model), frozen_windows(self._moe):  # the replay is not a new window
             for i, batch in enumerate(window):
                 self._forward_backward(batch, self._maybe_no_sync(i == len(window) - 1))
         for hook in self.pre_step_hooks:

@@ -143,3 +143,19 @@ def window_load(layers: list[MoE]) -> torch.Tensor | None:
     if not rows or any(r is None for r in rows):
         return None
     return _stack([r.cpu() for r in rows], "expert load")
+
+
+class frozen_windows:
+    """Context manager: forwards inside (evaluation) leave the layers' window sums as they were."""
+
+    def __init__(self, layers: list[MoE]):
+        self.layers = layers
+
+    def __enter__(self):
+        self._saved = [(dict(m.window_aux), m.window_forwards, m.window_load, m.window_dropped) for m in self.layers]
+        return self
+
+    def __exit__(self, *exc):
+        for m, (aux, n, load, drop) in zip(self.layers, self._saved):
+            m.window_aux, m.window_forwards, m.window_load, m.window_dropped = aux, n, load, drop
+        return False
