@@ -32,6 +32,7 @@ from torch.nn.modules import module as _module_hooks
 from ..errors import StrategyError
 from .config import config_to_dict
 from .registry import resolve_name
+from .split_experts import expert_split
 from .split_rule import split_plan
 from .strategy import Strategy, StrategyLike
 
@@ -213,15 +214,22 @@ class AnnotationPlan:
     Attributes:
         stages: labels of the ``replicate`` scopes in stage order (empty: no replicate scope, one stage).
         split_points: FQN of the first module of every stage after the first (pipeline ``split_points``).
-        tp: tensor-parallel degree (1 without ``split`` scopes).
-        tp_plan: ``{module FQN: style}`` for the modules inside ``split`` scopes (:mod:`.split_rule`); empty
-            when not derived.
+        tp: tensor-parallel degree (1 without ``split`` scopes that give tensor-parallel entries).
+        tp_plan: ``{module FQN: style}`` for the dense modules inside ``split`` scopes (:mod:`.split_rule`);
+            empty when not derived.
+        ep: expert-parallel degree: the ``device_count`` of the split scopes around experts modules (1: none);
+            ``ep`` is carved out of the data-parallel ranks, so it does not change ``devices_per_replica``.
+        experts: FQNs of the experts modules in split scopes (:mod:`.split_experts`).
+        experts_cls: their class names (``expert_parallel``'s ``experts_cls``).
     """
 
     stages: list[str]
     split_points: list[str]
     tp: int
     tp_plan: dict[str, str]
+    ep: int = 1
+    experts: list[str] = field(default_factory=list)
+    experts_cls: list[str] = field(default_factory=list)
 
     @property
     def pp(self) -> int:
@@ -239,52 +247,72 @@ def plan_from_annotations(model: nn.Module, derive_tp_plan: bool = True) -> Anno
         derive_tp_plan: derive ``tp_plan`` from the split scopes (False: an explicit plan will replace it).
 
     Raises:
-        StrategyError: split scopes with different device counts, a replicate device count that is
-            neither 1 nor the split degree, replicate scopes interleaved in module order (A, B, A), two
-            scopes of one name with different device counts, or split scopes the tensor-parallel rule
-            cannot classify (:func:`.split_rule.split_plan`).
+        StrategyError: tensor-parallel split scopes with different device counts, a replicate device count
+            that is neither 1 nor the split degree, replicate scopes interleaved in module order (A, B, A), two
+            scopes of one name with different device counts, split scopes the tensor-parallel rule cannot
+            classify (:func:`.split_rule.split_plan`), or invalid split scopes around experts
+            (:func:`.split_experts.expert_split`).
     """
     _check_same_name_counts(model)
     eff = _effective(model)
-    splits = _distinct(s.get("split") for s in eff.values())
-    counts = sorted({s.device_count for s in splits})
-    if len(counts) > 1:
-        raise StrategyError(
-            "split scopes have different device counts ("
-            + ", ".join(f"'{s.label}': {s.device_count}" for s in splits)
-            + "); tensor parallelism is one mesh dimension, so give every split the same device_count."
-        )
-    tp = counts[0] if counts else 1
+    split_of = {n: a.get("split") for n, a in eff.items()}
+    experts = expert_split(model, split_of)
+    dense_of = {n: (None if n in experts.replicated else s) for n, s in split_of.items()}
+    # scopes without experts are tensor parallel; one with experts is too if its other modules get entries
+    tp_scopes = [s for s in _distinct(dense_of.values()) if s not in experts.scopes]
+    _check_tp_counts(tp_scopes)
+    tp_plan: dict[str, str] = {}
+    if derive_tp_plan and any(dense_of.values()):
+        tp_plan = split_plan(model, dense_of, expert_scopes=experts.scopes)
+        tp_scopes += [s for s in _distinct(dense_of[n] for n in tp_plan) if s not in tp_scopes]
+    elif not derive_tp_plan:
+        tp_scopes += [s for s in _distinct(dense_of.values()) if s not in tp_scopes]
+    _check_tp_counts(tp_scopes)
+    tp = tp_scopes[0].device_count if tp_scopes else 1
     stages, split_points = _stages(model, eff)
+    allowed = sorted({1, tp, experts.ep})  # EPL's replicate(N) + split(N) colocates the stage with the split
     for s in stages:
-        if s.device_count not in (1, tp):
-            hint = f"1 or {tp} (the split degree)" if tp > 1 else "1 (no split scope in the model)"
+        if s.device_count not in allowed:
+            hint = ("1 (no split scope in the model)" if len(allowed) == 1 else
+                    f"1 or {allowed[1]} (the split degree)" if len(allowed) == 2 else
+                    f"1, {allowed[1]} or {allowed[2]} (the split degrees)")
             raise StrategyError(
                 f"replicate scope '{s.label}' has device_count={s.device_count}, but every pipeline stage runs on the "
                 f"same tensor-parallel group here, so a replicate stage uses {hint}; data parallelism over the other "
                 f"devices is derived from the world size. Use replicate(device_count=1)."
             )
-    tp_plan = split_plan(model, {n: a.get("split") for n, a in eff.items()}) if splits and derive_tp_plan else {}
-    return AnnotationPlan([s.label for s in stages], split_points, tp, tp_plan)
+    return AnnotationPlan([s.label for s in stages], split_points, tp, tp_plan, experts.ep, list(experts.experts),
+                          experts.classes)
+
+
+def _check_tp_counts(scopes: list[Scope]) -> None:
+    if len({s.device_count for s in scopes}) > 1:
+        raise StrategyError(
+            "split scopes have different device counts ("
+            + ", ".join(f"'{s.label}': {s.device_count}" for s in scopes)
+            + "); tensor parallelism is one mesh dimension, so give every split the same device_count."
+        )
 
 
 def strategy_from_annotations(model: nn.Module, world_size: int, base: StrategyLike = None) -> Strategy:
     """The :class:`Strategy` equivalent to ``model``'s annotations on ``world_size`` processes.
 
-    The derived methods are ``parallel_mode`` (``dp`` = world size / (pp x tp)), ``pipeline_parallel``
-    (``size``, ``split_points``) when there are several stages, and ``tensor_parallel`` (``size``, ``plan``)
-    when there are split scopes. ``base`` (any strategy form) is merged in: its other methods are appended,
-    and for a method both have, every config key ``base`` sets explicitly overrides the derived value (so
-    ``("tensor_parallel", {"plan": {...}})`` replaces the derived plan, whose rule is then not consulted, and
-    ``("pipeline_parallel", {"schedule": "1f1b"})`` keeps the derived split points); a data-parallel degree
-    in ``base``'s ``parallel_mode`` (``dp``/``dp_replicate``/``dp_shard``) replaces the derived ``dp``. With
-    split scopes and more than one model replica, ``fsdp`` is added unless ``base`` names a data-parallel
-    method (DDP cannot hold tensor-parallel parameters): the replicas then shard their parameters (ZeRO-3),
-    which computes the same as replication.
+    The derived methods are ``parallel_mode`` (``dp`` = world size / (pp x tp), and ``ep`` with split scopes
+    around experts), ``pipeline_parallel`` (``size``, ``split_points``) when there are several stages,
+    ``tensor_parallel`` (``size``, ``plan``) when split scopes give tensor-parallel entries, and
+    ``expert_parallel`` (``experts_cls``) when split scopes hold experts modules. ``base`` (any strategy form)
+    is merged in: its other methods are appended, and for a method both have, every config key ``base`` sets
+    explicitly overrides the derived value (so ``("tensor_parallel", {"plan": {...}})`` replaces the derived
+    plan, whose rule is then not consulted, and ``("pipeline_parallel", {"schedule": "1f1b"})`` keeps the
+    derived split points); a data-parallel degree in ``base``'s ``parallel_mode`` (``dp``/``dp_replicate``/
+    ``dp_shard``) replaces the derived ``dp``. With tensor-parallel split scopes and more than one model
+    replica, ``fsdp`` is added unless ``base`` names a data-parallel method (DDP cannot hold tensor-parallel
+    parameters): the replicas then shard their parameters (ZeRO-3), which computes the same as replication.
 
     Raises:
-        StrategyError: the annotations are invalid (see :func:`plan_from_annotations`), or ``world_size``
-            is not a multiple of the devices one model replica needs.
+        StrategyError: the annotations are invalid (see :func:`plan_from_annotations`), ``world_size`` is not
+            a multiple of the devices one model replica needs, or the expert-parallel degree does not divide
+            the data-parallel degree.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise StrategyError(f"world_size must be a positive int, got {world_size!r}.")
@@ -298,12 +326,17 @@ def strategy_from_annotations(model: nn.Module, world_size: int, base: StrategyL
             f"tensor-parallel degree {plan.tp}), which does not divide the world size {world_size}; run on a "
             f"multiple of {per_replica} processes or change the replicate/split scopes."
         )
-    derived: dict[str, dict[str, Any]] = {"parallel_mode": {"dp": world_size // per_replica}}
+    dp = world_size // per_replica
+    derived: dict[str, dict[str, Any]] = {"parallel_mode": {"dp": dp}}
     if plan.pp > 1:
         derived["pipeline_parallel"] = {"size": plan.pp, "split_points": plan.split_points}
     if plan.tp > 1:
         derived["tensor_parallel"] = {"size": plan.tp, **({"plan": plan.tp_plan} if plan.tp_plan else {})}
     pm = given.get("parallel_mode", {})
+    if plan.ep > 1:
+        _check_ep_divides_dp(plan, world_size, dp, pm)
+        derived["parallel_mode"]["ep"] = plan.ep
+        derived["expert_parallel"] = {"experts_cls": plan.experts_cls}
     if any(k in pm for k in ("dp", "dp_replicate", "dp_shard")):
         derived["parallel_mode"].pop("dp")
     dp_method = any(resolve_name(n)[0].data_parallel for n in given)
@@ -312,6 +345,23 @@ def strategy_from_annotations(model: nn.Module, world_size: int, base: StrategyL
     items: list[Any] = [(n, {**cfg, **given.get(n, {})}) for n, cfg in derived.items()]
     items += [(n, cfg) for n, cfg in given.items() if n not in derived]
     return Strategy(items)
+
+
+def _check_ep_divides_dp(plan: AnnotationPlan, world_size: int, dp: int, pm: dict[str, Any]) -> None:
+    """ep is carved out of the data-parallel ranks (``parallel/mesh.py``), so it must divide the derived dp
+    (a dp or ep given in ``base`` is checked by the mesh instead)."""
+    if dp % plan.ep == 0 or any(k in pm for k in ("dp", "dp_replicate", "dp_shard", "ep")):
+        return
+    need = plan.devices_per_replica * plan.ep
+    tp_part = (f" The tensor-parallel entries of the split scopes (degree {plan.tp}) use other devices than the "
+               f"expert-parallel ranks; to spread only the experts, put the split scopes around the experts modules "
+               f"alone (e.g. torchloom.split({plan.experts[0]}, device_count={plan.ep}))." if plan.tp > 1 else "")
+    raise StrategyError(
+        f"the split scopes around experts ask for expert parallel degree ep={plan.ep}, but on {world_size} "
+        f"processes the data-parallel degree is {dp} ({world_size} / ({plan.pp} pipeline stage(s) x tensor-parallel "
+        f"degree {plan.tp})), and ep must divide it: expert-parallel ranks are data-parallel ranks that hold "
+        f"different experts. Run on a multiple of {need} processes or lower the split's device_count.{tp_part}"
+    )
 
 
 # -- recording ---------------------------------------------------------------------------------------

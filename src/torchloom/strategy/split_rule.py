@@ -37,13 +37,15 @@ _EXPLICIT = ("pass an explicit plan, which replaces the derived one: auto_accele
              "'tensor_parallel', {'plan': {'<module>': 'colwise', ...}})]) (styles: docs/methods/tensor_parallel.md)")
 
 
-def split_plan(model: nn.Module, split_of: dict[str, Any]) -> dict[str, str]:
+def split_plan(model: nn.Module, split_of: dict[str, Any], expert_scopes=()) -> dict[str, str]:
     """Tensor-parallel styles for the modules in ``split`` scopes (rules (a)-(c), module docstring).
 
     Args:
         model: the annotated model.
         split_of: every module FQN of ``model`` (module order) -> its split scope (an object with ``label``),
-            or None outside every split scope.
+            or None outside every split scope (the modules of MoE blocks, :mod:`.split_experts`, are None).
+        expert_scopes: split scopes that hold experts: they need no tensor-parallel entry (their experts are
+            expert parallel), so rule (c)'s "no plan entry" error skips them.
 
     Returns:
         ``{module FQN: style name}`` in module order (styles of ``parallel.tensor.styles.STYLES``).
@@ -61,7 +63,7 @@ def split_plan(model: nn.Module, split_of: dict[str, Any]) -> dict[str, str]:
         plan.update({n: s for n, s in targets.items() if n in members})
         covered.update({n: family for n in members if _inside(n, root)})
     plan.update(_shape_rule(mods, {n: s for n, s in members.items() if n not in covered}))
-    _check_every_scope_used(mods, members, plan, covered)
+    _check_every_scope_used(mods, members, plan, covered, expert_scopes)
     _check_ties(model, plan)
     index = {n: i for i, n in enumerate(mods)}
     return dict(sorted(plan.items(), key=lambda kv: index[kv[0]]))
@@ -232,10 +234,11 @@ def _sibling_styles(mods: dict[str, nn.Module], parent: str, names: list[str], m
 
 
 # -- (c) every scope must split something --------------------------------------------------------------
-def _check_every_scope_used(mods, members: dict[str, Any], plan: dict[str, str], covered: dict[str, str]) -> None:
+def _check_every_scope_used(mods, members: dict[str, Any], plan: dict[str, str], covered: dict[str, str],
+                            expert_scopes=()) -> None:
     scopes = list(dict.fromkeys(members.values()))
     for scope in scopes:
-        if any(members[n] == scope for n in plan):
+        if scope in expert_scopes or any(members[n] == scope for n in plan):
             continue
         held = [n for n, s in members.items() if s == scope and next(mods[n].parameters(recurse=False), None)
                 is not None]
