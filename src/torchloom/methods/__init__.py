@@ -2,3 +2,4 @@
 from . import activation_checkpoint, amp, compile, ddp, fsdp, half, parallel_mode, tensor_parallel, zero1  # noqa: F401
 from . import module_replace  # noqa: F401
 from . import pipeline_parallel  # noqa: F401
+from . import expert_parallel  # noqa: F401

@@ -1,0 +1,182 @@
+"""Rank functions for the expert-parallel tests, and their one-process reference.
+
+Reference semantics (common to issue [8]): a global batch split over ``dp`` ranks, each running its
+micro-batches with gradient accumulation, equals ONE process running every rank's micro-batches one by one
+and accumulating ``loss / (dp * accum)``: the load-balancing loss is computed per micro-batch, as the model
+computes it (``output_router_logits=True``: ``output.loss`` includes it).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import torchloom
+from tests.models import full_params, lm_loss, tiny_moe, token_batches
+
+LR, MOMENTUM = 0.1, 0.9  # SGD with momentum: float differences stay at rounding level
+SEQ = 8
+
+
+def is_expert_param(name: str) -> bool:
+    return ".experts." in name and "shared_expert" not in name
+
+
+def bias_router(model, bias: dict[int, list[int]] | None) -> None:
+    """Make experts ``bias[layer]`` of a Mixtral-style model receive no tokens: their router logits get -1e4
+    before the softmax and top-k (the router's own math otherwise; case C05). In place, on the instance."""
+    import torch.nn.functional as F
+
+    for layer, idle in (bias or {}).items():
+        gate = model.model.layers[layer].mlp.gate
+        offset = torch.zeros(gate.num_experts)
+        offset[idle] = -1e4
+
+        def forward(hidden_states, gate=gate, offset=offset):
+            hidden_states = hidden_states.reshape(-1, gate.hidden_dim)
+            logits = F.linear(hidden_states, gate.weight) + offset.to(hidden_states.device)
+            probs = torch.softmax(logits.float(), dim=-1)
+            top, idx = torch.topk(probs, gate.top_k, dim=-1)
+            return logits, top / top.sum(dim=-1, keepdim=True), idx
+
+        gate.forward = forward
+
+
+def build(family: str, bias=None, **kw):
+    model = tiny_moe(family, **kw)
+    bias_router(model, bias)
+    return model
+
+
+def rank_batches(steps: int, global_batch: int, dp: int, micro: int, seq: int = SEQ):
+    """``batches[step][rank]`` = that rank's list of micro-batches (int64 ``[micro, seq]``)."""
+    data = token_batches(steps * global_batch, seq=seq)
+    per = global_batch // dp
+    out = []
+    for s in range(steps):
+        xs = data[s * global_batch:(s + 1) * global_batch]
+        out.append([[xs[r * per + k * micro: r * per + (k + 1) * micro] for k in range(per // micro)]
+                    for r in range(dp)])
+    return out
+
+
+def _probe_outputs(model, batches) -> list[dict]:
+    """Loss, aux loss and router logits of each rank's first micro-batch of step 0 (no grad)."""
+    out = []
+    with torch.no_grad():
+        for x in batches:
+            o = model(input_ids=x, labels=x)
+            out.append({"loss": o.loss.float().item(), "aux": o.aux_loss.float().item(),
+                        "router": torch.stack([r.float() for r in o.router_logits]).cpu()})
+    return out
+
+
+def reference(family: str, steps: int, global_batch: int, dp: int, micro: int, bias=None,
+              autocast_dtype=None, expert_grad_scale: float = 1.0, lr: float = LR, **kw):
+    """One process: every rank's micro-batches in turn, ``loss / (dp * accum)`` accumulated, SGD step.
+
+    ``expert_grad_scale`` scales the expert gradients before each step (to build wrong runs: 2.0 is "experts
+    averaged over edp=2 instead of dp=4"). Returns losses (per step, mean over the global batch), the final
+    parameters, the expert gradients of the first step (after the 1/(dp*accum) scaling) and the probe
+    outputs of each rank's first micro-batch after training."""
+    model = build(family, bias, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
+    batches = rank_batches(steps, global_batch, dp, micro)
+    accum = global_batch // dp // micro
+    losses, first_grads = [], None
+    for s in range(steps):
+        total = 0.0
+        for r in range(dp):
+            for x in batches[s][r]:
+                with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+                    loss = model(input_ids=x, labels=x).loss
+                (loss / (dp * accum)).backward()
+                total += loss.item()
+        for n, p in model.named_parameters():
+            if is_expert_param(n) and p.grad is not None:
+                p.grad.mul_(expert_grad_scale)
+        if first_grads is None:
+            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if is_expert_param(n)}
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / (dp * accum))
+    params = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "params": params, "grads": first_grads,
+            "probe": _probe_outputs(model, [batches[0][r][0] for r in range(dp)])}
+
+
+def train_many(configs: list[dict]) -> list[dict]:
+    """Several :func:`train` configurations in one launch (a launch costs seconds)."""
+    out = []
+    for cfg in configs:
+        try:
+            out.append(train(**cfg))
+        except Exception as e:
+            raise RuntimeError(f"config {cfg} failed: {e}") from e
+    return out
+
+
+def train(strategy, family: str, steps: int, global_batch: int, micro: int, bias=None, probe_calls: bool = False,
+          **kw) -> dict:
+    """Train with ``strategy`` (its parallel_mode gives ep); losses averaged over the global batch, full
+    parameters, the expert gradients of the first step as the optimizer sees them (full tensors), the probe
+    outputs of this rank's first micro-batch, evidence of what was applied."""
+    from torchloom.parallel.param_groups import param_groups_of
+
+    model = build(family, bias, **kw)
+    res = torchloom.auto_accelerate(
+        model, torch.optim.SGD, None, lm_loss, strategy=strategy, optim_args={"lr": LR, "momentum": MOMENTUM},
+        dataloader_args={"batch_size": global_batch, "micro_batch_size": micro}, model_input_format="unpack_dict")
+    dp, r = res.mesh.dp_size, res.mesh.dp_rank
+    grads: dict = {}
+
+    def record(*_):  # an optimizer step pre-hook registered last: sees the reduced gradients
+        if not grads:
+            for n, p in _named(res.model):
+                if is_expert_param(n):
+                    g = p.grad
+                    grads[n] = None if g is None else (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+
+    res.optimizer.register_step_pre_hook(record)
+    batches = rank_batches(steps, global_batch, dp, micro)
+    losses = []
+    for s in range(steps):
+        acc = torch.zeros(())
+        for x in batches[s][r]:
+            acc += res.train_step({"input_ids": x, "labels": x})
+        acc /= res.grad_accum_steps
+        dist.all_reduce(acc, group=res.mesh.group("dp"))
+        losses.append((acc / dp).item())
+    experts = [(n, p) for n, p in _named(res.model) if is_expert_param(n)]
+    local_shapes = {n: tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape) for n, p in experts}
+    out = {"losses": losses, "params": full_params(res.model), "grads": grads, "notes": res.notes,
+           "local_shapes": local_shapes, "groups": {k: len(v) for k, v in param_groups_of(res.model).modules.items()},
+           "probe": _probe_outputs(res.model, [batches[0][r][0]])[0], "rank": r, "dp": dp}
+    if probe_calls:
+        out["dispatches"] = count_dispatches(res, batches[0][r][0])
+    return out
+
+
+def _named(model):
+    inner = getattr(model, "module", model)  # DDP
+    return list(inner.named_parameters())
+
+
+def count_dispatches(res, x) -> list[int]:
+    """Dispatch calls per experts module in one forward/backward (2 = recomputed by activation checkpointing)."""
+    mods = [m for m in getattr(res.model, "module", res.model).modules() if getattr(m, "_ep_dispatcher", None)]
+    calls = [0] * len(mods)
+    for i, m in enumerate(mods):
+        d = m._ep_dispatcher
+        inner = d.dispatch
+
+        def counted(*a, i=i, inner=inner, **k):
+            calls[i] += 1
+            return inner(*a, **k)
+
+        d.dispatch = counted
+    res.model(input_ids=x, labels=x).loss.backward()
+    res.optimizer.zero_grad(set_to_none=True)
+    for m in mods:
+        del m._ep_dispatcher.dispatch
+    return calls
