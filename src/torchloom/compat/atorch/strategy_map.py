@@ -19,7 +19,11 @@ from ...errors import StrategyError
 _DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", torch.float16: "float16", torch.bfloat16: "bfloat16",
                 "float16": "float16", "bfloat16": "bfloat16"}
 # ATorch parallel_mode dimension names torchloom's parallel_mode reads (torchloom/methods/parallel_mode.py)
-_PARALLEL_DIMS = ("data", "tensor", "model", "pipeline", "pipe", "zero", "fsdp", "shard", "replicate", "expert")
+_PARALLEL_DIMS = ("data", "tensor", "model", "pipeline", "pipe", "zero", "fsdp", "shard", "replicate", "expert",
+                  "expert_fsdp")
+#: ATorch's expert groups (atorch.modules.moe / create_parallel_group([("expert", ep), ("expert_fsdp", edp)])):
+#: ep is carved out of the data-parallel ranks (ep x edp = data), so these are not factors of the world size
+EXPERT_DIMS = ("expert", "expert_fsdp")
 
 
 @dataclass
@@ -252,7 +256,36 @@ def _parallel_mode(config, world_size: int, t: Translation) -> None:
             raise StrategyError(f"ATorch parallel_mode dimension '{name}' is not supported; use one of "
                                 f"{', '.join(_PARALLEL_DIMS)}.")
         out[name] = int(size)
+    edp = out.pop("expert_fsdp", None)
     t.methods.append(("parallel_mode", out))
+    _expert(out, edp, world_size, t)
+
+
+def _expert(dims: dict[str, int], edp: int | None, world_size: int, t: Translation) -> None:
+    """``("expert", ep)``: expert parallel over ``ep`` of the data-parallel ranks (torchloom's layout, and
+    ATorch's ``set_experts_process_group``: consecutive ranks hold different experts); ``("expert_fsdp", n)``
+    names the remaining expert-data-parallel degree, which must be data / ep."""
+    ep = dims.get("expert", 1)
+    if edp is not None and ep == 1:
+        raise StrategyError(f"ATorch parallel_mode ('expert_fsdp', {edp}) needs an ('expert', n) degree > 1 beside it; "
+                            "add ('expert', n) or remove expert_fsdp.")
+    if ep == 1:
+        return
+    dp = dims.get("data") or (dims.get("replicate", 1) * dims.get("zero", dims.get("fsdp", dims.get("shard", 1))))
+    if dp % ep:
+        raise StrategyError(
+            f"ATorch parallel_mode ('expert', {ep}): the expert-parallel ranks are carved out of the data-parallel "
+            f"ranks (data = expert x expert_fsdp), so ep must divide the data degree {dp}; choose ep among "
+            f"{[k for k in range(2, dp + 1) if dp % k == 0] or 'none (data degree 1)'} or raise the data degree.")
+    if edp is not None and edp != dp // ep:
+        raise StrategyError(
+            f"ATorch parallel_mode ('expert_fsdp', {edp}) does not match ('expert', {ep}) on data degree {dp}: the "
+            f"expert-data-parallel degree is data / expert = {dp // ep}. Give ('expert_fsdp', {dp // ep}) or leave "
+            "it out (it is derived).")
+    t.methods.append("expert_parallel")
+    t.notes.append(f"parallel_mode: ('expert', {ep}) is expert parallelism over {ep} of the {dp} data-parallel ranks "
+                   f"(expert_fsdp = {dp // ep}), not a factor of the world size: the dense layers stay data parallel "
+                   f"over all {dp} ranks; expert_parallel shards the experts modules")
 
 
 _UNSUPPORTED = {

@@ -17,7 +17,7 @@ from ..data import atorch_dataloader, data_to_device
 from ..distributed.parallel_groups import set_current_mesh
 from ..plain_loop import AmpNativeOptimizer, add_clip_grad_norm, cast_inputs, scaled_loss_func
 from ..strategy_io import read_strategy_bytes, to_json
-from ..strategy_map import Translation, translate
+from ..strategy_map import EXPERT_DIMS, Translation, translate
 from .strategy import SEMIAUTO_STRATEGIES, Strategy
 
 log = logging.getLogger("torchloom.compat.atorch")
@@ -109,6 +109,8 @@ def _adjust(strategy: Strategy, world: int, finetune: bool, opt_lib=None, distri
     if mode is not None:
         total, data, has_data = 1, 1, False
         for name, size in mode[0]:
+            if name in EXPERT_DIMS:
+                continue  # carved out of the data-parallel ranks, not a factor of the world (strategy_map)
             total *= size
             if name == "data":
                 data, has_data = size, True

@@ -85,6 +85,8 @@ def to_atorch(cand: Candidate, world_size: int) -> Strategy | None:
         cfg = dict(cfg)
         if name == "ddp" and not cfg:
             continue  # parallel_mode's data degree gives DDP
+        if name == "expert_parallel" and not cfg and d.ep > 1:
+            continue  # parallel_mode's ("expert", ep) gives expert_parallel
         if name == "zero1" and not cfg:
             items.append(("zero1", None, False))
         elif name == "fsdp" and cfg == {"reshard_after_forward": False}:
@@ -114,6 +116,8 @@ def _round_trips(strategy: Strategy, cand: Candidate, world_size: int) -> bool:
         methods = [m for m in native if (m if isinstance(m, str) else m[0]) != "parallel_mode"]
         got = [(m, {}) if isinstance(m, str) else (m[0], dict(m[1])) for m in methods]
         want = [(n, dict(c)) for n, c in cand.methods if not (n == "ddp" and not c)]
+        # translate puts expert_parallel beside parallel_mode; the candidate may list it elsewhere
+        got, want = ([m for m in ms if m != ("expert_parallel", {})] for ms in (got, want))
         return got == want and plan_dims(native, world_size) == cand.dims and not plan.loss_scaling
     except StrategyError:
         return False

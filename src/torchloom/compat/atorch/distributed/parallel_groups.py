@@ -6,7 +6,7 @@ from __future__ import annotations
 _MESH = None
 # ATorch group names -> torchloom mesh dimensions
 _DIMS = {"data": "dp", "zero": "dp_shard", "tensor": "tp", "model": "tp", "pipeline": "pp", "pipe": "pp",
-         "expert": "ep"}
+         "expert": "ep", "expert_fsdp": "edp"}  # ep x edp = dp: the expert views carved out of the data ranks
 
 
 def set_current_mesh(mesh) -> None:
@@ -21,11 +21,15 @@ def _dim(name: str):
     dim = _DIMS[name]
     if _MESH.degree(dim) <= 1 and name != "data":
         return None  # ATorch has no group for a dimension the strategy does not parallelise
+    if dim == "edp" and _MESH.degree("ep") <= 1:
+        return None  # no expert groups without expert parallelism (edp would just be dp)
     return dim
 
 
 def parallel_group(name):
-    """The process group of ATorch dimension ``name`` ("data", "zero", "tensor", "pipeline"...), or None."""
+    """The process group of ATorch dimension ``name`` ("data", "zero", "tensor", "pipeline", "expert",
+    "expert_fsdp"...), or None. The expert groups are the mesh's ``ep``/``edp`` views, which ``expert_parallel``
+    built on every rank during ``auto_accelerate`` (so asking for them here is no collective)."""
     dim = _dim(name)
     return _MESH.group(dim) if dim is not None else None
 
