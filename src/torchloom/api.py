@@ -212,6 +212,8 @@ def auto_accelerate(
     for fn in ctx.post_apply:
         fn(ctx)
     install_fsdp_zero_fill(ctx.model_parts)  # ranks that skip a branch must not desync FSDP's reduce-scatter
+    for holder in {id(m): m for m in (ctx.model, *ctx.model_parts)}.values():
+        holder._torchloom_param_groups = ctx.param_groups  # which mesh each group lives on (param_groups_of)
 
     # 3. optimizer after sharding (it must see the sharded parameters), then optimizer-level methods
     params = list({id(p): p for part in ctx.model_parts for p in part.parameters() if p.requires_grad}.values())

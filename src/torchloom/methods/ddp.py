@@ -11,6 +11,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..parallel.buffers import install_buffer_sync, running_stat_buffers
 from ..parallel.comm_hooks import register_comm_hook
+from ..parallel.expert.reduce import (ExpertGradReducer, broadcast_states_by_group, ddp_ignore_names,
+                                      expert_tensor_ids)
 from ..parallel.unused_params import check_ddp_reduced, record_ddp_params
 from ..strategy.registry import Method, Stage, register_method
 
@@ -43,6 +45,10 @@ class DDP(Method):
     Gradients are averaged over ``dp_replicate x dp_shard`` (the flattened ``dp`` mesh); tensor/pipeline
     peers are excluded. Optional gradient compression hooks: fp16, bf16 (gloo-safe), PowerSGD
     (Vogels et al., NeurIPS 2019).
+
+    Expert parameters (``ctx.param_groups``, written by ``expert_parallel``) differ across ep ranks, so DDP
+    ignores them: they are broadcast over ``edp`` at wrap time and their gradients summed over ``edp`` and
+    divided by ``dp`` once per step by :class:`~torchloom.parallel.expert.reduce.ExpertGradReducer`.
     """
 
     name = "ddp"
@@ -97,8 +103,17 @@ class DDP(Method):
         averaged = c.sync_buffers and any(running_stat_buffers(p) for p in ctx.model_parts)
         broadcast = (not averaged) if c.broadcast_buffers is None else c.broadcast_buffers
         notes = []
+        experts = ctx.param_groups.params("expert")
+        expert_ids = expert_tensor_ids(experts, [m for _, m in ctx.param_groups.members("expert")])
+        edp_group = ctx.mesh.group("edp") if experts else None
 
         def wrap(module):
+            ignored = ddp_ignore_names(module, expert_ids) if experts else []
+            if ignored:
+                # DDP neither broadcasts nor all-reduces these: over dp it would overwrite/mix experts that
+                # differ across ep ranks. They start equal over edp; ExpertGradReducer reduces them.
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)
+                broadcast_states_by_group(module, None, edp_group, expert_ids)  # DDP broadcasts the dense ones
             model = DistributedDataParallel(
                 module,
                 device_ids=[dev.index] if dev.type != "cpu" and dev.index is not None else None,
@@ -121,6 +136,13 @@ class DDP(Method):
         guard = ReductionGuard()
         ctx.pre_step_hooks.insert(0, guard.check)  # train_step: before any other collective of the step
         ctx.post_optimizer.append(guard.attach)  # a plain loop: optimizer.step() checks first
+        if experts:
+            reducer = ExpertGradReducer(experts, edp_group, ctx.mesh.dims.dp)
+            ctx.pre_step_hooks.append(reducer)  # after the guard, before unscaling and clipping
+            # a plain loop: optimizer.step() reduces first (registered after the guard's pre-hook)
+            ctx.post_optimizer.append(lambda c: reducer.attach(c.model_parts, c.optimizer))
+            ctx.note(f"ddp: {len(experts)} expert parameters left out of DDP, broadcast over "
+                     f"edp={ctx.mesh.dims.edp} and reduced over edp / dp={ctx.mesh.dims.dp} before each step")
 
 
 class ReductionGuard:

@@ -5,10 +5,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from ..parallel.blocks import find_blocks, shared_parameter_owners
 from ..parallel.buffers import broadcast_module_states, install_buffer_sync
+from ..parallel.expert.reduce import broadcast_states_by_group, expert_tensor_ids
 from ..parallel.materialize import materialize_meta_model
 from ..parallel.precision import fp32_norm_modules, keeps_fp32
 from ..strategy.registry import Method, Stage, register_method
@@ -46,6 +49,12 @@ class FSDP(Method):
     embedding/head) are grouped into one unit so the tie survives sharding. With ``dp_replicate > 1`` the
     mesh is 2-D and this is hybrid sharding (HSDP): shard within ``dp_shard``, replicate across
     ``dp_replicate``. Meta-device models are sharded first and materialised shard by shard.
+
+    Expert parameters (``ctx.param_groups``: DTensors ``Shard(0)`` on ``mesh["ep"]``, placed by
+    ``expert_parallel``) make each experts module its own unit on ``mesh["edp"]`` before the blocks, with
+    gradient divide factor ``dp`` (summed over edp, divided by dp: see ``torchloom.parallel.param_groups``),
+    sharded on dim 1 when ``edp x ep > num_experts`` (torchtitan's ``_experts_shard_placement_fn``: dim 0 would
+    leave ranks with padding only).
     """
 
     name = "fsdp"
@@ -147,11 +156,22 @@ class FSDP(Method):
         fp32_mp = MixedPrecisionPolicy(reduce_dtype=getattr(torch, c.reduce_dtype) if ctx.autocast_dtype else None)
 
         units_total, shared_all, block_classes, norms_kept = 0, [], set(), 0
+        expert_mods = ctx.param_groups.members("expert")
+        expert_ids = expert_tensor_ids(ctx.param_groups.params("expert"), [m for _, m in expert_mods])
+        expert_units = 0
         for model in ctx.model_parts:
+            mine = [m for m in model.modules() if any(m is e for _, e in expert_mods)]
             if c.sync_module_states and not ctx.on_meta and ctx.mesh.dp_size > 1:
                 if not c.cpu_offload:
                     model.to(ctx.device)  # NCCL broadcasts device tensors only (fully_shard would move them anyway)
-                broadcast_module_states(model, ctx.mesh.group("dp"))
+                if expert_mods:  # experts differ across ep ranks: broadcast them over edp only
+                    broadcast_states_by_group(model, ctx.mesh.group("dp"), ctx.mesh.group("edp"), expert_ids)
+                else:
+                    broadcast_module_states(model, ctx.mesh.group("dp"))
+            # experts first: the enclosing block's unit must not take their ep-mesh DTensors on the dense mesh
+            for mod in mine:
+                _shard_experts(mod, ctx, c, kw)
+            expert_units += len(mine)
             blocks = find_blocks(model, c.wrap_cls)
             block_classes |= {type(m).__name__ for _, m in blocks}
             shared = shared_parameter_owners(model)
@@ -186,7 +206,9 @@ class FSDP(Method):
             else f"dp_shard={ctx.mesh.dims.dp_shard}"
         ctx.note(f"fsdp: {mode}, {hsdp}, {len(units)} block units of {ctx.block_classes}"
                  + (", CPU offload" if c.cpu_offload else "") + (f", tied groups {shared}" if shared else "")
-                 + (f", {norms_kept} BatchNorm-like units in fp32" if norms_kept else ""))
+                 + (f", {norms_kept} BatchNorm-like units in fp32" if norms_kept else "")
+                 + (f", {expert_units} experts units on edp={ctx.mesh.dims.edp} (gradients / dp={ctx.mesh.dims.dp})"
+                    if expert_units else ""))
 
 
 #: extra dispatched ops per FSDP unit per forward (pre/post hooks, copy-in/out, views), CPU eager
@@ -195,6 +217,21 @@ _FSDP_OPS_PER_UNIT = 12.0
 #: host<->device bandwidth for CPU offload when the hardware does not give one: PCIe Gen4 x16 achieved
 #: (~25 GB/s of the 32 GB/s raw; PCI-SIG PCIe 4.0 specification), bytes/s
 HOST_LINK_BW = 25e9
+
+
+def _shard_experts(mod, ctx, c: FSDPConfig, kw: dict) -> None:
+    """One FSDP unit on ``mesh["edp"]`` for an experts module (its parameters are ``Shard(0)`` on
+    ``mesh["ep"]``, so FSDP's placements become ``(Shard(0) or Shard(1) over edp, Shard(0) over ep)`` on the
+    ``(edp, ep)`` mesh); FSDP sums its gradients over edp and divides by ``dp``."""
+    dims = ctx.mesh.dims
+    experts = int(getattr(mod, "num_experts", 0) or 0)
+    dim1 = dims.edp > 1 and dims.edp * dims.ep > experts and all(p.dim() > 1 for p in mod.parameters(recurse=False))
+    fully_shard(mod, reshard_after_forward=c.reshard_after_forward,
+                shard_placement_fn=(lambda _p: Shard(1)) if dim1 else None, **{**kw, "mesh": ctx.mesh["edp"]})
+    mod.set_gradient_divide_factor(float(dims.dp))
+    if dist.get_backend(ctx.mesh.group("edp")) == "gloo":
+        # a factor other than the group size is NCCL's PREMUL_SUM, which gloo lacks: sum, then divide
+        mod.set_force_sum_reduction_for_comms(True)
 
 
 def _shard_fp32_norms(model, units: list[list[str]], shared: list[list[str]], c: FSDPConfig, fp32_kw: dict) -> int:

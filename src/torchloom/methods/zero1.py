@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ..errors import StrategyError
 from ..strategy.registry import Method, Stage, register_method
+
+#: why zero1 refuses expert parameters, and the fix (validate and wrap_optimizer say the same)
+_EXPERTS = ("ZeroRedundancyOptimizer partitions the parameters over all of dp and, after each step, broadcasts "
+            "every parameter from its owner rank to the whole dp group, which would overwrite the expert "
+            "parameters that differ across ep ranks (experts are sharded over ep and must be reduced over edp "
+            "only). Use fsdp (or zero2, the fsdp mode) for sharded optimizer state with experts: it shards "
+            "experts over edp; or use ddp without zero1.")
 
 
 @dataclass
@@ -36,6 +44,11 @@ class Zero1(Method):
 
     search_configs = ({},)
 
+    def validate(self, info, dims) -> None:
+        """Refuse expert parallelism (``ep > 1``): see :meth:`wrap_optimizer`."""
+        if dims.ep > 1:
+            raise StrategyError(f"zero1 with ep={dims.ep}: {_EXPERTS}")
+
     def estimate(self, info, dims, hw, step):
         """Optimizer state 1/dp per rank; after the step each rank broadcasts its updated shard
         (``dp`` broadcasts of 1/dp of the parameters, on the critical path)."""
@@ -48,7 +61,18 @@ class Zero1(Method):
             e.collectives.append(Collective("broadcast", shard, "dp", calls=dp, label="zero1.broadcast"))
         return e
 
+    def apply(self, ctx) -> None:
+        """Refuse expert parameters before the optimizer is built (``expert_parallel`` recorded them)."""
+        _refuse_experts(ctx)
+
     def wrap_optimizer(self, ctx) -> None:
+        """Replace ``ctx.optimizer`` by a ``ZeroRedundancyOptimizer`` over ``dp``.
+
+        Raises:
+            StrategyError: the model has expert parameters (``ctx.param_groups``) or ``ep > 1``.
+            NotImplementedError: a two-pass optimizer, or several parameter groups.
+        """
+        _refuse_experts(ctx)
         opt = ctx.optimizer
         if hasattr(opt, "first_step") and hasattr(opt, "second_step"):
             raise NotImplementedError(
@@ -73,3 +97,10 @@ class Zero1(Method):
         )
         ctx.optimizer = zero
         ctx.note(f"zero1: optimizer state sharded over dp={ctx.mesh.dp_size} ({opt_cls.__name__})")
+
+
+def _refuse_experts(ctx) -> None:
+    if ctx.param_groups.has_experts or ctx.mesh.dims.ep > 1:
+        n = len(ctx.param_groups.params("expert"))
+        raise StrategyError(f"zero1 with expert parameters ({n} in {len(ctx.param_groups.members('expert'))} "
+                            f"experts modules, ep={ctx.mesh.dims.ep}): {_EXPERTS}")

@@ -107,8 +107,11 @@ def _unreduced_names(ddp: DistributedDataParallel, message: str) -> list[str]:
     idx = reducer_indices(message)
     if idx and all(i < len(names) for i in idx):
         return [names[i] for i in idx]
-    # another message layout: the trainable parameters without a gradient (zero_grad(set_to_none=True))
-    return [clean_name(n) for n, p in ddp.module.named_parameters() if p.requires_grad and p.grad is None]
+    # another message layout: the trainable parameters without a gradient (zero_grad(set_to_none=True));
+    # parameters DDP ignores (expert parameters, reduced by torchloom.parallel.expert.reduce) are not DDP's
+    ignored = getattr(ddp, "parameters_to_ignore", set()) or set()
+    return [clean_name(n) for n, p in ddp.module.named_parameters()
+            if p.requires_grad and p.grad is None and n not in ignored]
 
 
 def reducer_indices(message: str) -> list[int]:
