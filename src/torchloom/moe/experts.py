@@ -48,4 +48,4 @@ class GroupedExperts(nn.Module):
         y = y * top_k_weights.reshape(-1)[order[:y.shape[0]]].to(y.dtype).unsqueeze(-1)
         y = torch.cat([y, y.new_zeros(t * k - y.shape[0], y.shape[1])])  # dropped assignments: nothing
         unsort = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=order.device))
-        return y[unsort].reshape(t, k, -1).sum(dim=1).to(hidden.dtype)
+        return y[unsort].reshape(t, k, y.shape[1]).sum(dim=1).to(hidden.dtype)
