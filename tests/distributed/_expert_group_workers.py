@@ -32,13 +32,19 @@ class ToyExperts(nn.Module):
     the experts visible on this rank (``visible`` when plain; the ep shard of a DTensor ``w``). ``drop_all``
     drops every token (case C05: a rank whose experts receive no tokens)."""
 
-    def __init__(self):
+    def __init__(self, experts: int = E):
         super().__init__()
-        self.num_experts = E
-        self.w = nn.Parameter(torch.randn(E, H, H) * 0.3)
-        self.b = nn.Parameter(torch.randn(E, H) * 0.1)
-        self.visible: tuple[int, int] = (0, E)
+        self.num_experts = experts
+        self.w = nn.Parameter(torch.empty(experts, H, H))
+        self.b = nn.Parameter(torch.empty(experts, H))
+        self.visible: tuple[int, int] = (0, experts)
         self.drop_all = False
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:  # also what meta-device materialisation replays
+        with torch.no_grad():
+            self.w.normal_(0.0, 0.3)
+            self.b.normal_(0.0, 0.1)
 
     def forward(self, hidden, top_k_index, top_k_weights):
         w, b, (lo, hi) = self.w, self.b, self.visible
@@ -66,11 +72,11 @@ class ToyExperts(nn.Module):
 
 
 class ToyBlock(nn.Module):
-    def __init__(self):
+    def __init__(self, experts: int):
         super().__init__()
         self.norm = nn.LayerNorm(H)
-        self.router = nn.Linear(H, E, bias=False)
-        self.experts = ToyExperts()
+        self.router = nn.Linear(H, experts, bias=False)
+        self.experts = ToyExperts(experts)
 
     def forward(self, x):
         t = self.norm(x).reshape(-1, H)
@@ -80,10 +86,10 @@ class ToyBlock(nn.Module):
 
 
 class ToyMoE(nn.Module):
-    def __init__(self):
+    def __init__(self, experts: int = E):
         super().__init__()
         self.embed = nn.Embedding(V, H)
-        self.layers = nn.ModuleList([ToyBlock(), ToyBlock()])
+        self.layers = nn.ModuleList([ToyBlock(experts), ToyBlock(experts)])
         self.head = nn.Linear(H, V)
 
     def forward(self, batch):
@@ -97,9 +103,9 @@ def loss_fn(batch, logits):
     return nn.functional.cross_entropy(logits.reshape(-1, V), batch[:, 1:].reshape(-1))
 
 
-def build(seed: int) -> ToyMoE:
+def build(seed: int, experts: int = E) -> ToyMoE:
     torch.manual_seed(seed)
-    return ToyMoE()
+    return ToyMoE(experts)
 
 
 def batches(dp: int, steps: int = 2) -> list[list[torch.Tensor]]:
@@ -132,14 +138,14 @@ class _ExpertShard(Method):
 
 
 # ------------------------------------------------------------------------------------------------ reference
-def effective_model(ep: int) -> ToyMoE:
+def effective_model(ep: int, experts: int = E) -> ToyMoE:
     """The model the ranks train after the start-of-training broadcasts: dense parameters from rank 0 (seed
     0), ep shard ``e`` of the experts from rank ``e`` (seed ``e``: dp rank = edp_index * ep + ep_index, and
     each edp group broadcasts from its first rank)."""
-    model = build(0)
-    n = E // ep
+    model = build(0, experts)
+    n = experts // ep
     for e in range(1, ep):
-        other = build(e)
+        other = build(e, experts)
         for (_, m), (_, o) in zip(expert_modules(model), expert_modules(other)):
             with torch.no_grad():
                 for name in ("w", "b"):
@@ -148,7 +154,7 @@ def effective_model(ep: int) -> ToyMoE:
 
 
 def _grads(model, batch, ep_index, ep, drop: bool):
-    n = E // ep
+    n = expert_modules(model)[0][1].num_experts // ep
     for _, m in expert_modules(model):
         m.visible = (ep_index * n, (ep_index + 1) * n)
         m.drop_all = drop
@@ -157,13 +163,13 @@ def _grads(model, batch, ep_index, ep, drop: bool):
     return {k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for k, p in model.named_parameters()}
 
 
-def reference(dp: int, ep: int, drop_rank: int | None, expert_scale: float = 1.0) -> dict:
+def reference(dp: int, ep: int, drop_rank: int | None, expert_scale: float = 1.0, experts: int = E) -> dict:
     """Single-process reference of two SGD steps: every parameter's gradient is the sum of the dp ranks'
     gradients (each with its visible experts) / dp; the second step is clipped to ``MAX_NORM``.
     ``expert_scale`` multiplies the expert gradients (a wrong run: 2.0 = averaged over edp instead of dp).
 
     Returns ``{"grads1", "params1", "norm2", "params2"}`` (full tensors by parameter name)."""
-    model = effective_model(ep)
+    model = effective_model(ep, experts)
     out = {}
     for step, micro in enumerate(batches(dp)):
         per_rank = [_grads(model, micro[r], r % ep, ep, r == drop_rank) for r in range(dp)]
@@ -199,13 +205,17 @@ def _strip(name: str) -> str:
     return name.removeprefix("module.")
 
 
-def _run(method: str, drop_rank: int | None) -> dict:
+def _run(method: str, drop_rank: int | None, experts: int = E, meta: bool = False) -> dict:
     from torchloom import auto_accelerate
     from torchloom.parallel.param_groups import param_groups_of
 
     rank, dp = dist.get_rank(), dist.get_world_size()
     ep = 2
-    model = build(rank)  # different models per rank: the broadcasts must make them one model
+    if meta:  # every rank materialises the same model (auto_accelerate seeds 0 before applying)
+        with torch.device("meta"):
+            model = build(0, experts)
+    else:
+        model = build(rank, experts)  # different models per rank: the broadcasts must make them one model
     if rank == drop_rank:
         for _, m in expert_modules(model):
             m.drop_all = True
@@ -219,6 +229,10 @@ def _run(method: str, drop_rank: int | None) -> dict:
     out["local_w0"] = next(p for k, p in params.items() if k.endswith("layers.0.experts.w")).to_local() \
         .detach().float().clone() if method == "ddp" else None
     out["start"] = {_strip(k): _full(p) for k, p in params.items()}
+    out["placements"] = {_strip(k): str(p.placements) for k, p in params.items()
+                         if isinstance(p, DTensor) and ".experts." in k}
+    if meta:
+        return out
 
     micro = batches(dp)
     # step 1: a plain loop (the reducer runs in the optimizer's step pre-hook)
@@ -235,10 +249,12 @@ def _run(method: str, drop_rank: int | None) -> dict:
 
 
 def ddp_and_fsdp(drop_rank: int | None) -> dict:
-    """One launch: ddp, then fsdp (and fsdp's ZeRO-2 not), then zero1 refusing experts."""
+    """One launch: ddp, fsdp, fsdp with 2 experts (edp x ep > E: sharded on dim 1), fsdp from the meta
+    device, then zero1 refusing experts."""
     from torchloom.errors import StrategyError
 
-    out = {"ddp": _run("ddp", drop_rank), "fsdp": _run("fsdp", drop_rank)}
+    out = {"ddp": _run("ddp", drop_rank), "fsdp": _run("fsdp", drop_rank),
+           "fsdp_e2": _run("fsdp", drop_rank, experts=2), "fsdp_meta": _run("fsdp", None, meta=True)}
     try:
         _run("zero1", None)
         out["zero1"] = None

@@ -37,6 +37,11 @@ def ref():
     return W.reference(DP, EP, DROP)
 
 
+@pytest.fixture(scope="module")
+def ref_e2():
+    return W.reference(DP, EP, DROP, experts=2)
+
+
 def _diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float((a[k] - b[k]).abs().max()) for k in a)
@@ -56,9 +61,12 @@ def test_wrong_runs_are_far(ref):
     assert ref["norm2"] > W.MAX_NORM  # the second step really clips
 
 
-@pytest.mark.parametrize("method", ["ddp", "fsdp"])
-def test_expert_and_dense_gradients(runs, ref, method):
-    start = W.effective_model(EP).state_dict()
+@pytest.mark.parametrize("method", ["ddp", "fsdp", "fsdp_e2"])
+def test_expert_and_dense_gradients(runs, ref, ref_e2, method):
+    """fsdp_e2: 2 experts, so edp x ep = 4 > E and FSDP shards the experts on dim 1 (torchtitan's rule)."""
+    experts = 2 if method == "fsdp_e2" else W.E
+    ref = ref_e2 if method == "fsdp_e2" else ref
+    start = W.effective_model(EP, experts).state_dict()
     for rank, out in enumerate(runs):
         got = out[method]
         assert got["groups"] == 2, "the record is attached to the returned model"
@@ -72,6 +80,18 @@ def test_expert_and_dense_gradients(runs, ref, method):
         assert got["norm2"] == pytest.approx(ref["norm2"], rel=NORM_RTOL), f"{method} rank {rank}: global norm"
         d = _diff(got["params2"], ref["params2"])
         assert d <= ATOL, f"{method} rank {rank}: parameters after the clipped train_step differ by {d:.3g}"
+
+
+def test_fsdp_expert_placements_and_meta_materialisation(runs):
+    for out in runs:
+        assert all("Shard(dim=0)" in p and "_StridedShard" in p for p in out["fsdp"]["placements"].values()), \
+            out["fsdp"]["placements"]
+        assert all(p.startswith("(Shard(dim=1)") for p in out["fsdp_e2"]["placements"].values()), \
+            out["fsdp_e2"]["placements"]
+        # a meta-device model with expert DTensors materialises to the plain build's values (bitwise on CPU)
+        plain = W.build(0).state_dict()
+        d = _diff(out["fsdp_meta"]["start"], plain)
+        assert d == 0.0, f"meta materialisation differs from the plain build by {d:.3g}"
 
 
 def test_ddp_experts_differ_across_ep_and_match_across_edp(runs):
