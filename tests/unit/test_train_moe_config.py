@@ -54,7 +54,8 @@ def test_ep_must_divide_the_data_parallel_degree():
 
 def test_moe_model_has_the_dense_sizes_with_fused_experts():
     cfg = moe_cfg()
-    dense, moe = build_model(TrainConfig.from_dict({"model": SMALL}).model, 300, 0, 0), build_model(cfg.model, 300, 0, 0)
+    dense = build_model(TrainConfig.from_dict({"model": SMALL}).model, 300, 0, 0)
+    moe = build_model(cfg.model, 300, 0, 0)
     assert type(dense).__name__ == "LlamaForCausalLM" and type(moe).__name__ == "MixtralForCausalLM"
     assert moe.config.output_router_logits and moe.config.num_local_experts == 4
     assert moe.config.router_aux_loss_coef == 0.01 and moe.config.num_experts_per_tok == 2

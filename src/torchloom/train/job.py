@@ -303,9 +303,9 @@ class Job:
             self.expert_load = track_expert_load(res.model)  # per-expert token counts for the metrics
             self._expert_held = torch.zeros_like(self.expert_load.counts(), dtype=torch.int64).cpu()
         self.log(f"model: {type(model).__name__}, {self.n_params / 1e6:.2f}M parameters{moe_note} "
-                 f"({self.n_matmul / 1e6:.2f}M in matmuls per token), {self.flops_per_token / 1e6:.1f} MFLOP/token; global batch "
-                 f"{res.global_batch_size} x {seq} tokens = micro {res.micro_batch_size} x dp {res.mesh.dp_size} x "
-                 f"accum {res.grad_accum_steps}")
+                 f"({self.n_matmul / 1e6:.2f}M in matmuls per token), {self.flops_per_token / 1e6:.1f} MFLOP/token; "
+                 f"global batch {res.global_batch_size} x {seq} tokens = micro {res.micro_batch_size} x dp "
+                 f"{res.mesh.dp_size} x accum {res.grad_accum_steps}")
         if len(res.dataloader) == 0:
             raise ConfigError(f"train.global_batch={t.global_batch} is larger than the {len(self.train_ds)} "
                               "training windows: nothing to train on.")
