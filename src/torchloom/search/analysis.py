@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..parallel.blocks import detect_block_classes, find_blocks
+from .experts_analysis import experts_info, moe_trace
 from .hf_config import build_meta_model, hf_config_of, load_config, model_dims, model_family
 from .model_info import ModelInfo, PartInfo
 from .op_trace import OpRecorder, storage_key
@@ -171,7 +172,7 @@ class _Analysis:
         if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
             self._note("the model has gradient checkpointing enabled: the traced activations are what "
                        "checkpointing keeps, not the full ones (disable it before planning).")
-        with self._train_mode(), self.mode:
+        with self._train_mode(), moe_trace(model, self.notes), self.mode:
             self.fake = self._fake_state()
             self._capture(groups)
             parts = [self._trace_block(g) for g in groups]
@@ -181,14 +182,17 @@ class _Analysis:
         dtypes = Counter()
         for p in uniq:
             dtypes[str(p.dtype).replace("torch.", "")] += p.numel()
+        dims = model_dims(cfg)
+        n_params = sum(p.numel() for p in uniq)
+        experts = experts_info(model, n_params, self.seq_len, dims.get("hidden_size"), self.notes)
         return ModelInfo(
             name=type(model).__name__, seq_len=self.seq_len, parts=parts,
             block_classes=list(dict.fromkeys(type(g.modules[0]).__name__ for g in groups)),
             num_blocks=sum(len(g.modules) for g in groups),
-            n_params=sum(p.numel() for p in uniq), n_trainable=sum(p.numel() for p in uniq if p.requires_grad),
+            n_params=n_params, n_trainable=sum(p.numel() for p in uniq if p.requires_grad),
             param_dtype=dtypes.most_common(1)[0][0] if dtypes else "float32",
-            tied=_tied_names(model), dims=model_dims(cfg), family=model_family(model, cfg), module=model,
-            notes=self.notes,
+            tied=_tied_names(model), dims=dims, family=model_family(model, cfg), module=model,
+            notes=self.notes, experts=experts,
         )
 
     def _groups(self, blocks: list[tuple[str, nn.Module]]) -> list[_Group]:
@@ -505,6 +509,7 @@ def _copy_info(info: ModelInfo) -> ModelInfo:
     out.tied = copy.deepcopy(info.tied)
     out.dims = dict(info.dims)
     out.notes = list(info.notes)
+    out.experts = copy.deepcopy(info.experts)
     return out
 
 

@@ -22,7 +22,8 @@ from typing import Any
 from ..parallel.dims import spans_nodes  # noqa: F401  (re-exported: the node-span rule the cost model uses)
 from ..strategy.registry import resolve_name
 from .candidate import Candidate, Prediction, StepShape
-from .effects import DTYPE_BYTES, MEMORY, MEMORY_SET, Collective, Effects, PipelineShape, StageLoad
+from .effects import (DTYPE_BYTES, MEMORY, MEMORY_SET, Collective, Effects, PipelineShape, StageLoad,
+                      expert_shard_scale)
 from .hardware import Hardware
 from .model_info import ModelInfo, PassCost
 
@@ -144,7 +145,7 @@ def predict(cand: Candidate, info: ModelInfo, hw: Hardware, *, memory_limit: flo
     peak = sum(memory.values())
 
     step_time = sum(time.values())
-    world = dims.pp * dims.dp_replicate * dims.dp_shard * dims.ep * dims.tp
+    world = dims.pp * dims.dp_replicate * dims.dp_shard * dims.tp  # ep is carved out of dp, not a factor
     tokens = cand.global_batch * cand.seq_len
     tps = tokens / step_time if step_time > 0 else 0.0
     peak_flops = hw.peak_flops.get(dtype) or hw.peak_flops.get("float32", 0.0)
@@ -179,16 +180,19 @@ def compose(cand: Candidate, info: ModelInfo, hw: Hardware) -> Composed:
     dims = cand.dims
     notes: list[str] = []
     effects: list[Effects] = []
+    data_parallel: list[bool] = []  # per effect: from a data-parallel method (its scales shard over dp ranks)
     for m in methods:
         e = m.estimate(info, dims, hw, step)
         if e is not None:
             e.method = e.method or type(m).name
             effects.append(e)
+            data_parallel.append(bool(getattr(type(m), "data_parallel", False)))
             notes.extend(f"{e.method}: {n}" for n in e.notes)
     scale_tokens = cand.seq_len / info.seq_len if info.seq_len else 1.0
     mb = cand.micro_batch * scale_tokens  # micro-batch in units of the analysed sample
     state = _Baseline(info, step, mb)
     mem = state.memory()
+    xmem = state.expert_memory()  # the expert share of mem's GROUPED categories
 
     mm = other = ops_scale = 1.0
     ops_add = recompute = 0.0
@@ -197,10 +201,20 @@ def compose(cand: Candidate, info: ModelInfo, hw: Hardware) -> Composed:
     collectives: list[tuple[str, Collective]] = []
     pipeline: PipelineShape | None = None
     grads_persistent, unsharded_grads = False, 0.0
-    for e in effects:
+    for e, dp_method in zip(effects, data_parallel):
         # only the categories the Effects names (x 1.0 + 0.0 leaves the others as they are)
-        for cat in (e.memory_scale.keys() | e.memory_add.keys()) & MEMORY_SET:
-            mem[cat] = mem[cat] * e.memory_scale.get(cat, 1.0) + e.memory_add.get(cat, 0.0)
+        own = e.group_memory_scale.get("expert", {})
+        for cat in (e.memory_scale.keys() | e.memory_add.keys() | own.keys()) & MEMORY_SET:
+            scale, add = e.memory_scale.get(cat, 1.0), e.memory_add.get(cat, 0.0)
+            x = xmem.get(cat, 0.0)
+            if x:  # the expert share scales by its own rule (effects module docstring); additions are dense
+                xs = own.get(cat)
+                if xs is None:
+                    xs = expert_shard_scale(scale, dims) if dp_method else scale
+                xmem[cat] = x * xs
+                mem[cat] = (mem[cat] - x) * scale + add + xmem[cat]
+            else:
+                mem[cat] = mem[cat] * scale + add
         mm *= e.matmul_scale
         other *= e.other_scale
         ops_scale *= e.ops_scale
@@ -242,6 +256,16 @@ class _Baseline:
             "activations": self.activations_per_microbatch(),
             "temporary": max((p.peak_extra_bytes for p in info.parts), default=0.0) * self.mb,
         }
+
+    def expert_memory(self) -> dict[str, float]:
+        """The experts' share of the parameter, gradient and Adam-state bytes (0 for a dense model;
+        expert parameters counted trainable unless the model has fewer trainable elements)."""
+        ex = self.info.experts
+        if ex is None:
+            return {}
+        pb = self.pbytes
+        trainable = min(ex.params, self.info.n_trainable)
+        return {"params": ex.params * pb, "grads": trainable * pb, "optimizer": 2.0 * trainable * pb}
 
     def activations_per_microbatch(self) -> float:
         dt = self.step.compute_dtype

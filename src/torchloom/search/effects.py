@@ -18,6 +18,13 @@ the same rules, so a user-registered method that implements ``estimate`` compose
   its mesh view; what may overlap with compute is hidden up to the compute of the phase it overlaps.
 * pipeline: at most one method returns a :class:`PipelineShape` (which blocks each pipeline rank runs,
   the schedule's bubble and the micro-batches in flight).
+* parameter groups (Mixture-of-Experts): the ``params``, ``grads`` and ``optimizer`` categories are tracked
+  as a dense share and an ``"expert"`` share (``ModelInfo.experts.params``). ``memory_scale`` scales both,
+  except where ``group_memory_scale[group][cat]`` gives the group its own multiplier (expert parallelism:
+  experts ``1/ep``). A data-parallel method's scale ``1/d`` (sharding over ``d`` data-parallel ranks) that
+  names no expert entry shards the expert share over only ``d / gcd(ep, d)`` ranks: the ``ep`` ranks inside
+  its group already hold different experts (:func:`expert_shard_scale`), so FSDP over ``dp_shard`` leaves
+  ``experts / (ep x edp_shard)`` per rank and DDP ``experts / ep``, never ``experts / (ep x dp_shard)``.
 """
 from __future__ import annotations
 
@@ -34,8 +41,12 @@ MEMORY_SET = frozenset(MEMORY)
 #: what a collective can overlap with: the forward or backward compute of the step, any compute, or nothing
 OVERLAPS = ("forward", "backward", "compute", "none")
 
-#: mesh views a collective can run over (``dp`` = dp_replicate x dp_shard, flattened)
-VIEWS = ("dp", "dp_replicate", "dp_shard", "tp", "pp", "ep")
+#: mesh views a collective can run over (``dp`` = dp_replicate x dp_shard, flattened; ``ep`` and ``edp`` =
+#: dp / ep carved out of it for experts)
+VIEWS = ("dp", "dp_replicate", "dp_shard", "tp", "pp", "ep", "edp")
+
+#: memory categories that parameter groups split (the rest are not per-parameter)
+GROUPED = ("params", "grads", "optimizer")
 
 
 @dataclass
@@ -126,6 +137,8 @@ class Effects:
         grads_persistent: the gradients stay allocated across steps (counted in the backward peak).
         grads_unsharded_accum: bytes per rank of the gradients while micro-batches accumulate without a
             reduction (FSDP2 keeps them unsharded): with ``grad_accum > 1`` the grads category is at least this.
+        group_memory_scale: ``{group: {category: multiplier}}`` for a parameter group's share of
+            :data:`GROUPED` categories, used instead of ``memory_scale`` for that share (``"expert"``).
         collectives: the collectives the method adds.
         pipeline: the pipeline shape (only the pipeline method sets it).
         notes: assumptions the estimate made.
@@ -143,6 +156,7 @@ class Effects:
     time_add: dict[str, float] = field(default_factory=dict)
     grads_persistent: bool = False
     grads_unsharded_accum: float = 0.0
+    group_memory_scale: dict[str, dict[str, float]] = field(default_factory=dict)
     collectives: list[Collective] = field(default_factory=list)
     pipeline: PipelineShape | None = None
     notes: list[str] = field(default_factory=list)
@@ -155,6 +169,11 @@ class Effects:
             if bad:
                 raise ValueError(f"Effects of {self.method or 'a method'}: unknown memory categories {bad}; "
                                  f"use {MEMORY}.")
+        for group, d in self.group_memory_scale.items():
+            bad = [k for k in d if k not in GROUPED]
+            if bad:
+                raise ValueError(f"Effects of {self.method or 'a method'}: group {group!r} scales {bad}; a "
+                                 f"parameter group splits only {GROUPED}.")
 
 
 # -- arithmetic the estimate hooks share ----------------------------------------------------------------
@@ -242,3 +261,38 @@ def activation_bytes(info, step) -> tuple[float, float]:
     blocks, rest = _memo(info, ("act", dt), lambda: (sum(act(p) * p.count for p in info.blocks),
                                                       act(info.rest) if info.rest is not None else None))
     return blocks * scale, rest * scale if rest is not None else 0.0
+
+
+def expert_params(info, dims) -> float:
+    """Expert parameter elements one rank holds after pipeline and expert parallelism (before data-parallel
+    sharding): the experts of the most loaded pipeline rank's MoE layers, ``1/ep`` of each; 0 for a dense
+    model. Tensor parallelism does not split experts (they are sharded over ``ep``)."""
+    ex = getattr(info, "experts", None)
+    if ex is None:
+        return 0.0
+    share = blocks_per_rank(info, dims) / max(info.num_blocks, 1) if dims.pp > 1 else 1.0
+    return ex.params * share / max(dims.ep, 1)
+
+
+def moe_layers_per_rank(info, dims) -> float:
+    """MoE layers on the most loaded pipeline rank (all of them without pipelining)."""
+    ex = getattr(info, "experts", None)
+    if ex is None:
+        return 0.0
+    return ex.layers * (blocks_per_rank(info, dims) / max(info.num_blocks, 1) if dims.pp > 1 else 1.0)
+
+
+def expert_shard_scale(scale: float, dims) -> float:
+    """The multiplier of the expert share for a data-parallel sharding ``scale`` = ``1/d`` (over ``d``
+    data-parallel ranks): ``gcd(ep, d) / d``. Expert peers are the innermost ``ep`` data-parallel ranks, so a
+    group of ``d`` of them holds ``gcd(ep, d)`` expert peers, which own different experts and cannot split
+    one shard further: the share is split over the ``d / gcd(ep, d)`` ranks holding the same experts (FSDP
+    over ``dp_shard``: ``edp_shard``; ZeRO over ``dp``: ``edp``). A scale that is not ``1/d`` for a divisor
+    ``d`` of ``dp`` (offload's 0, no sharding's 1) applies unchanged."""
+    ep = max(dims.ep, 1)
+    if ep == 1 or not 0.0 < scale < 1.0:
+        return scale
+    d = round(1.0 / scale)
+    if abs(d * scale - 1.0) > 1e-9 or dims.dp % d:
+        return scale
+    return scale * math.gcd(ep, d)

@@ -82,6 +82,41 @@ class PartInfo:
 
 
 @dataclass
+class ExpertsInfo:
+    """The routed experts of a Mixture-of-Experts model (what expert parallelism shards).
+
+    Found with :func:`torchloom.moe.protocol.find_experts_modules`: every module whose direct parameters are
+    fused over ``num_experts`` (dim 0). Counts are parameter elements.
+
+    Attributes:
+        modules: qualified names of the experts modules (one per MoE layer), model order.
+        num_experts: experts per layer ``E`` (all layers must agree; the analysis refuses otherwise).
+        top_k: experts each token is routed to (router ``top_k``, else the config's ``num_experts_per_tok``).
+        params: expert parameter elements of the whole model (all layers, all experts).
+        params_per_expert: elements of one expert in one layer (``params / (layers * E)``).
+        active_params: elements one token uses: dense parameters + ``top_k / E`` of the expert ones.
+        routed_flops_fwd: forward FLOPs of the experts per sample at the analysed ``seq_len``, priced as
+            ``tokens * top_k * 2 * params_per_expert`` per layer: balanced routing (each expert gets
+            ``tokens * top_k / E`` rows; a fake-tensor trace of data-dependent routing gives arbitrary counts,
+            so this is the number the planner reasons with). Backward is twice as much.
+        hidden_size: the hidden width of a routed token (bytes of the all-to-all per routed token).
+    """
+
+    modules: list[str]
+    num_experts: int
+    top_k: int
+    params: int
+    params_per_expert: int
+    active_params: int
+    routed_flops_fwd: float
+    hidden_size: int
+
+    @property
+    def layers(self) -> int:
+        return len(self.modules)
+
+
+@dataclass
 class ModelInfo:
     """A model as the planner sees it.
 
@@ -101,6 +136,7 @@ class ModelInfo:
         module: the meta-device model (for ``validate`` hooks that reuse the methods' own checks); not saved.
         signature: a hash of parameter names, shapes and dtypes (plan cache key).
         notes: what the analysis assumed (e.g. a stand-in loss), for the planner's output.
+        experts: the routed experts (:class:`ExpertsInfo`) of a Mixture-of-Experts model, None for a dense one.
     """
 
     name: str
@@ -117,6 +153,7 @@ class ModelInfo:
     module: nn.Module | None = field(default=None, repr=False, compare=False)
     signature: str = ""
     notes: list[str] = field(default_factory=list)
+    experts: ExpertsInfo | None = None
 
     @property
     def blocks(self) -> list[PartInfo]:
@@ -134,5 +171,10 @@ class ModelInfo:
         from dataclasses import asdict, fields
 
         # not asdict(self): it would deep-copy the module
-        return {f.name: ([asdict(p) for p in self.parts] if f.name == "parts" else getattr(self, f.name))
-                for f in fields(self) if f.name != "module"}
+        def value(name):
+            v = getattr(self, name)
+            if name == "parts":
+                return [asdict(p) for p in v]
+            return asdict(v) if name == "experts" and v is not None else v
+
+        return {f.name: value(f.name) for f in fields(self) if f.name != "module"}

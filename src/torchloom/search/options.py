@@ -2,7 +2,8 @@
 
 Search vocabulary (what ``include``/``exclude`` name): the data-parallel choices ``ddp``, ``zero1``, ``zero2``,
 ``zero3``, ``hsdp`` (``fsdp`` names zero2, zero3 and hsdp together), ``tensor_parallel``,
-``sequence_parallel``, ``pipeline_parallel``, ``checkpoint``, ``amp``, ``cpu_offload``, and any registered
+``sequence_parallel``, ``pipeline_parallel``, ``expert_parallel`` (``ep > 1``, Mixture-of-Experts models
+only), ``checkpoint``, ``amp``, ``cpu_offload``, and any registered
 method (a method with ``search_configs`` is tried with and without; another one named in ``include`` is added
 to every candidate with its default config). Registry aliases are accepted (``pp``, ``ac``, ``amp_native``).
 """
@@ -19,8 +20,8 @@ from ..utils import did_you_mean
 DP_CHOICES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 #: built-in names the space enumerates by its own rules (their ``search_configs`` are not used)
 BUILTIN_CHOICES = (*DP_CHOICES, "fsdp", "tensor_parallel", "sequence_parallel", "pipeline_parallel",
-                   "checkpoint", "amp", "cpu_offload")
-FIXED_KEYS = ("pp", "dp_replicate", "dp_shard", "tp", "dp", "micro_batch")
+                   "expert_parallel", "checkpoint", "amp", "cpu_offload")
+FIXED_KEYS = ("pp", "dp_replicate", "dp_shard", "tp", "dp", "ep", "micro_batch")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 KEYS = ("exclude", "include", "fixed", "time_limit_s", "top_k", "on_mismatch", "model_factory", "cache",
         "headroom", "trial_steps", "pipeline_schedules", "max_micro_batch", "seq_len", "sample_batch")
@@ -50,7 +51,7 @@ class SearchOptions:
         """Read a ``search={...}`` dict.
 
         Keys: ``exclude`` / ``include`` (lists of names, see the module docstring); ``fixed`` (degrees
-        ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``, ``dp`` and ``micro_batch`` pinned to a positive int);
+        ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``, ``dp``, ``ep`` and ``micro_batch`` pinned to a positive int);
         ``time_limit_s`` (whole search incl. confirming runs, default 60); ``top_k`` (candidates confirmed by
         real runs, default 3; 0 = predictions only); ``on_mismatch`` (``"error"``, default, or
         ``"research"``: a saved plan from another machine/model/world size is searched again);
@@ -125,6 +126,10 @@ class SearchOptions:
             raise StrategyError("search: fixed tp=1 but tensor/sequence parallel is included; drop one.")
         if f.get("pp") == 1 and "pipeline_parallel" in self.include:
             raise StrategyError("search: fixed pp=1 but pipeline_parallel is included; drop one.")
+        if f.get("ep", 1) > 1 and "expert_parallel" in self.exclude:
+            raise StrategyError(f"search: fixed ep={f['ep']} but expert_parallel is excluded; drop one.")
+        if f.get("ep") == 1 and "expert_parallel" in self.include:
+            raise StrategyError("search: fixed ep=1 but expert_parallel is included (ep > 1 needed); drop one.")
         if "dp" in f and ("dp_replicate" in f and "dp_shard" in f) and f["dp"] != f["dp_replicate"] * f["dp_shard"]:
             raise StrategyError(f"search: fixed dp={f['dp']} differs from dp_replicate x dp_shard = "
                                 f"{f['dp_replicate'] * f['dp_shard']}.")

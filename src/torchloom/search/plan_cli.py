@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from ..errors import StrategyError, TorchloomError
 from .candidate import Candidate, Prediction
 from .cluster import ClusterSpec, cluster_hardware, cluster_spec
 from .hardware import Hardware
+from .model_info import ExpertsInfo
 from .presets import ModelSpec, resolve_model
 
 GiB = 1024.0 ** 3
@@ -53,6 +54,7 @@ class PlanReport:
         mode: ``"search"`` or ``"strategy"``.
         wall_s: seconds spent (analysis + search).
         notes: assumptions (guessed sequence length, default global batch, ...).
+        experts: the model's routed experts (``ModelInfo.experts``), None for a dense model.
     """
 
     model: ModelSpec
@@ -66,13 +68,15 @@ class PlanReport:
     mode: str
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    experts: ExpertsInfo | None = None
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         rows = self.rows if top is None else self.rows[:top]
         hw = self.hardware
         return {
             "schema": JSON_SCHEMA_VERSION,
-            "model": {"name": self.model.name, "source": self.model.source, "n_params": self.n_params},
+            "model": {"name": self.model.name, "source": self.model.source, "n_params": self.n_params,
+                      **({"experts": asdict(self.experts)} if self.experts is not None else {})},
             "cluster": {"gpu": self.cluster.gpu, "gpus": self.cluster.gpus, "gpus_per_node": self.cluster.gpus_per_node,
                         "local": self.cluster.local, "hardware": hw.name, "memory_bytes": hw.memory_bytes,
                         "peak_flops": dict(hw.peak_flops)},
@@ -132,7 +136,7 @@ def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_pe
         notes += [n for n in search_notes if not n.startswith("search: ")]
         mode = "search"
     return PlanReport(spec, info.n_params, cl, hw, seq, global_batch, rows, evaluated, mode,
-                      time.perf_counter() - t0, notes)
+                      time.perf_counter() - t0, notes, experts=info.experts)
 
 
 def search_rows(info, hw: Hardware, world: int, global_batch: int, seq_len: int, micro_batch: int | None,
@@ -286,7 +290,7 @@ def search_options_from_cli(exclude: str | None, fixed) -> dict[str, Any]:
             pins[k.strip()] = int(v)
         except ValueError:
             raise StrategyError(f"--fix {item!r}: write DIM=N, e.g. --fix tp=8 (dims: pp, dp, dp_replicate, "
-                                f"dp_shard, tp, micro_batch).") from None
+                                f"dp_shard, tp, ep, micro_batch).") from None
     if pins:
         out["fixed"] = pins
     return out
@@ -303,6 +307,11 @@ def render_table(report: PlanReport, top: int = 10) -> str:
         f"batch    global {report.global_batch} x seq {report.seq_len} = "
         f"{report.global_batch * report.seq_len:,} tokens per step",
     ]
+    ex = report.experts
+    if ex is not None:
+        lines.insert(1, f"experts  {ex.layers} MoE layers x {ex.num_experts} experts, top-{ex.top_k}; "
+                        f"{ex.params / 1e9:.2f} B expert parameters, {ex.active_params / 1e9:.2f} B active per "
+                        f"token; ep (expert parallel) searched over divisors of dp and {ex.num_experts}")
     if report.mode == "search":
         lines.append(f"searched {report.evaluated:,} candidates in {report.wall_s:.2f} s; "
                      f"{len(report.rows):,} fit; best {min(top, len(report.rows))} shown (--top)")
@@ -344,13 +353,20 @@ def render_explain(report: PlanReport, n: int) -> str:
            f"  MFU           {p.mfu * 100:.1f}% of {p.peak_flops / 1e12:.1f} TFLOP/s per device", "", "  time (s)"]
     total = p.step_time_s or 1.0
     for k, v in sorted(p.time.items(), key=lambda kv: -kv[1]):
-        out.append(f"    {k:<38} {v:10.4f}  {100 * v / total:5.1f}%")
-    out.append(f"    {'= step':<38} {sum(p.time.values()):10.4f}")
+        out.append(f"    {k:<46} {v:10.4f}  {100 * v / total:5.1f}%")
+    out.append(f"    {'= step':<46} {sum(p.time.values()):10.4f}")
+    a2a = [col for col in p.collectives if col.get("kind") == "all_to_all"]
+    if a2a:
+        exposed = sum(col.get("exposed_s", 0.0) for col in a2a)
+        views = sorted({f"{col['view']}={col['group']}" + (" across nodes" if col.get("spans_nodes") else "")
+                        for col in a2a})
+        out.append(f"    all-to-all share {exposed:.4f} s = {100 * exposed / total:.1f}% of the step "
+                   f"({', '.join(views)}; on the critical path)")
     out += ["", "  memory per device (GiB)"]
     for k in [*MEMORY_ORDER, *sorted(set(p.memory) - set(MEMORY_ORDER))]:
         if k in p.memory:
-            out.append(f"    {k:<38} {p.memory[k] / GiB:10.3f}")
-    out.append(f"    {'= peak':<38} {p.peak_memory_bytes / GiB:10.3f}   (limit {p.memory_limit_bytes / GiB:.1f}; "
+            out.append(f"    {k:<46} {p.memory[k] / GiB:10.3f}")
+    out.append(f"    {'= peak':<46} {p.peak_memory_bytes / GiB:10.3f}   (limit {p.memory_limit_bytes / GiB:.1f}; "
                f"{'fits' if p.fits else 'DOES NOT FIT'})")
     if p.collectives:
         out += ["", "  collectives per step"]

@@ -1,7 +1,8 @@
 """The search space: every candidate plan for a model on ``world_size`` ranks, pruned cheaply first.
 
 Axes (docs/search.md, "The space"): mesh factorisations ``pp x dp_replicate x dp_shard x tp`` (degree 1
-included), the data-parallel method (DDP, ZeRO-1, ZeRO-2, ZeRO-3, HSDP; DDP under tensor parallelism is FSDP
+included), for a Mixture-of-Experts model each with an expert-parallel degree ``ep`` among the common divisors
+of ``dp`` and the expert count (``ep > 1`` with the ``expert_parallel`` method; :func:`ep_degrees`), the data-parallel method (DDP, ZeRO-1, ZeRO-2, ZeRO-3, HSDP; DDP under tensor parallelism is FSDP
 over a replicate-only mesh, ``strategy/data_parallel.py``), precision (fp32, bf16 amp), sequence parallel
 under TP, the pipeline schedule and its micro-batch count, the micro-batch size and accumulation for the
 global batch, optional registered methods with ``search_configs``, then activation checkpointing (chosen per
@@ -14,8 +15,10 @@ would reject (the strategy's conflicts, its mesh checks, each method's ``validat
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import math
 from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -29,7 +32,9 @@ from .options import BUILTIN_CHOICES, SearchOptions
 
 #: registry methods the space enumerates by its own rules
 _OWN_METHODS = ("parallel_mode", "ddp", "zero1", "fsdp", "amp", "checkpoint", "pipeline_parallel",
-                "tensor_parallel", "sequence_parallel")
+                "tensor_parallel", "sequence_parallel", "expert_parallel")
+#: the method item an ``ep > 1`` candidate carries (its layout is the mesh's: no options to search)
+EP_ITEM = ("expert_parallel", {})
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
@@ -101,16 +106,39 @@ def with_extra(cand: Candidate, item: tuple[str, dict[str, Any]] | None) -> Cand
     return Candidate(cand.dims, (*cand.methods, item), cand.micro_batch, cand.grad_accum, cand.seq_len)
 
 
+def ep_degrees(info: ModelInfo, dims: ParallelDims, options: SearchOptions) -> list[int]:
+    """Expert-parallel degrees to try on a mesh (``dims.ep`` is 1 there): 1, then every common divisor > 1
+    of ``dp`` and the model's expert count (``ep`` is carved out of the data-parallel ranks and splits the
+    experts evenly). Only 1 for a dense model or with ``expert_parallel`` excluded; only ``ep > 1`` with
+    it included; a fixed ``ep`` alone."""
+    ex = info.experts
+    if ex is None or "expert_parallel" in options.exclude:
+        degrees = [1]
+    else:
+        degrees = [d for d in divisors(math.gcd(dims.dp, ex.num_experts))]
+        if "expert_parallel" in options.include:
+            degrees = [d for d in degrees if d > 1]
+    fixed = options.fixed.get("ep")
+    return [d for d in degrees if fixed is None or d == fixed]
+
+
 def state_lower_bound(info: ModelInfo, dims: ParallelDims, choice: str | None) -> float:
     """Bytes per rank that parameters and gradients need at least (no optimizer state, activations or
-    buffers; perfect TP/PP division): a bound that can only under-estimate, used to prune before predicting."""
+    buffers; perfect TP/PP division; experts ``1/ep`` where the data-parallel choice does not shard them
+    further): a bound that can only under-estimate, used to prune before predicting."""
     pbytes = info.n_params * _DTYPE_BYTES.get(info.param_dtype, 4)
     gbytes = info.n_trainable * _DTYPE_BYTES.get(info.param_dtype, 4)
+    experts = info.experts is not None and dims.ep > 1
+    if experts and choice not in ("zero3", "hsdp"):
+        saved = info.experts.params * _DTYPE_BYTES.get(info.param_dtype, 4) * (1 - 1 / dims.ep)
+        pbytes -= saved
+        gbytes -= min(saved, gbytes)
     model_split = dims.tp * dims.pp
-    if choice in ("zero3",):
+    if choice in ("zero3",):  # experts / (ep x edp_shard) >= experts / dp
         return (pbytes + gbytes) / (model_split * dims.dp)
-    if choice == "hsdp":
-        return (pbytes + gbytes) / (model_split * dims.dp_shard)
+    if choice == "hsdp":  # dense / dp_shard, experts / lcm(ep, dp_shard): the larger divisor bounds both
+        shard = math.lcm(dims.ep, dims.dp_shard) if experts else dims.dp_shard
+        return (pbytes + gbytes) / (model_split * shard)
     if choice == "zero2":
         return (pbytes + gbytes / dims.dp) / model_split
     return (pbytes + gbytes) / model_split
@@ -162,7 +190,7 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
                                                            else [None, ("amp", {"dtype": "bfloat16"})])
     extras = user_method_options(options)
     space = Space(bases=[])
-    for dims in factorisations(world_size):
+    for dims in _meshes(world_size, info, options):
         why = _mesh_pruned(dims, f, options, info, global_batch, ranks_per_node)
         if why:
             space.pruned.append(Pruned(_mesh_label(dims) + " *", why))
@@ -190,6 +218,15 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
     return space
 
 
+def _meshes(world_size: int, info: ModelInfo, options: SearchOptions) -> list[ParallelDims]:
+    """The factorisations of the world (``ep = 1``, :func:`torchloom.parallel.dims.factorisations`), each
+    multiplied out by its expert-parallel degrees (:func:`ep_degrees`)."""
+    out = []
+    for dims in factorisations(world_size):
+        out += [dataclasses.replace(dims, ep=ep) for ep in ep_degrees(info, dims, options)] or [dims]
+    return out
+
+
 def _bases_for(dims, dp_item, precisions, extras, global_batch, seq_len, options) -> list[Candidate]:
     local = global_batch // dims.dp
     mbs = [m for m in divisors(local) if (options.max_micro_batch is None or m <= options.max_micro_batch)
@@ -206,7 +243,7 @@ def _bases_for(dims, dp_item, precisions, extras, global_batch, seq_len, options
         accum = local // mb
         if sched is not None and not _schedule_may_fit(sched, dims.pp, accum, dp_item):
             continue
-        items = [i for i in (dp_item, prec) if i is not None] + list(tp)
+        items = [i for i in (dp_item, prec) if i is not None] + list(tp) + ([EP_ITEM] if dims.ep > 1 else [])
         if sched is not None:
             items.append(("pipeline_parallel", {"schedule": sched, "num_microbatches": accum}))
         items += [e for e in extra if e is not None]
@@ -252,6 +289,11 @@ def _mesh_pruned(dims, fixed, options, info, global_batch, ranks_per_node) -> st
             return f"search fixed {k}={v}"
         if k == "dp" and dims.dp != v:
             return f"search fixed dp={v}"
+    if "ep" in fixed and dims.ep != fixed["ep"]:
+        return f"search fixed ep={fixed['ep']}"
+    if dims.ep == 1 and "expert_parallel" in options.include:
+        return ("expert_parallel included (ep > 1 needed)" if info.experts is not None else
+                "expert_parallel included, but the model has no experts modules")
     if dims.tp > 1 and "tensor_parallel" in options.exclude:
         return "tensor_parallel excluded"
     if dims.pp > 1 and "pipeline_parallel" in options.exclude:
@@ -318,7 +360,7 @@ def _check(cand: Candidate, info: ModelInfo) -> str | None:
 
 
 def _mesh_label(d: ParallelDims) -> str:
-    return f"pp{d.pp} dpr{d.dp_replicate} dps{d.dp_shard} tp{d.tp}"
+    return f"pp{d.pp} dpr{d.dp_replicate} dps{d.dp_shard}{f' ep{d.ep}' if d.ep > 1 else ''} tp{d.tp}"
 
 
 def _gib(b: float) -> str:
@@ -326,4 +368,4 @@ def _gib(b: float) -> str:
 
 
 __all__ = ["Space", "Pruned", "enumerate_space", "ac_levels", "check", "with_extra", "dp_spec", "dp_choices_for",
-           "state_lower_bound", "BUILTIN_CHOICES"]
+           "state_lower_bound", "ep_degrees", "BUILTIN_CHOICES"]

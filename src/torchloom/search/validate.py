@@ -16,8 +16,8 @@ from .model_info import ModelInfo
 
 
 def validate_strategy(strategy: StrategyLike, info: ModelInfo, dims: ParallelDims) -> Strategy:
-    """Raise what ``auto_accelerate(model, strategy)`` would raise on ``dims.pp x dims.dp x dims.ep x dims.tp``
-    ranks for the model ``info`` describes (``info.module``: its meta-device copy).
+    """Raise what ``auto_accelerate(model, strategy)`` would raise on ``dims.pp x dims.dp x dims.tp``
+    ranks (``ep`` is carved out of ``dp``) for the model ``info`` describes (``info.module``: its meta-device copy).
 
     Returns:
         the strategy as ``auto_accelerate`` would apply it (with the data-parallel method it adds).
@@ -30,7 +30,7 @@ def validate_strategy(strategy: StrategyLike, info: ModelInfo, dims: ParallelDim
     from ..strategy.data_parallel import replicating_data_parallel
 
     strategy = Strategy.parse(strategy)
-    world = dims.pp * dims.dp_replicate * dims.dp_shard * dims.ep * dims.tp
+    world = dims.pp * dims.dp_replicate * dims.dp_shard * dims.tp
     planned = plan_dims(strategy, world)
     if planned != dims:
         raise StrategyError(f"the strategy's degrees resolve to {planned.as_dict()} on {world} ranks, not "
