@@ -138,9 +138,10 @@ def window_metrics(layers: list[MoE]) -> dict[str, float]:
 
 
 def window_load(layers: list[MoE]) -> torch.Tensor | None:
-    """``[layers, E]`` int64 CPU assignments per expert summed over the window (before dropping), or None."""
-    rows = [m.window_load for m in layers]
-    if not rows or any(r is None for r in rows):
+    """``[layers, E]`` int64 CPU assignments per expert summed over the window (before dropping), one row per
+    layer that ran in the window (model order), or None when none did."""
+    rows = [m.window_load for m in layers if m.window_load is not None]
+    if not rows:
         return None
     return _stack([r.cpu() for r in rows], "expert load")
 
