@@ -88,6 +88,27 @@ def test_scope_with_experts_and_dense_layers_outside_the_block():
         strategy_from_annotations(net, 2)
 
 
+def test_expert_and_tensor_parallel_scopes_with_different_degrees():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 16)
+            with torchloom.split(4, name="experts"):
+                self.moe = MoE(MoEConfig(dim=16, hidden_dim=8, num_experts=4))
+            with torchloom.split(2, name="head"):
+                self.head = nn.Linear(16, 64)
+
+    plan = plan_from_annotations(Net())
+    assert (plan.ep, plan.tp, plan.mixed, plan.tp_plan) == (4, 2, False, {"head": "colwise_gather"})
+    s = strategy_from_annotations(Net(), 8)
+    assert s.config("parallel_mode").dp == 4 and s.config("parallel_mode").ep == 4
+    with pytest.raises(StrategyError, match=r"ep=4.*degree is 2.*multiple of 8 processes or lower the split's "
+                                            r"device_count\.$"):
+        strategy_from_annotations(Net(), 4)
+    # a parallel_mode ep given in the base replaces the derived one
+    assert strategy_from_annotations(Net(), 8, [("parallel_mode", {"ep": 2})]).config("parallel_mode").ep == 2
+
+
 def test_whole_mixtral_decoder_layer_split():
     # attention: the built-in Mixtral plan (q/k/v colwise, o rowwise); the MoE block: experts over ep, router
     # replicated (before this change the experts got the tensor-parallel 'moe_experts' style instead)

@@ -14,7 +14,11 @@ USENIX ATC 2022; https://github.com/alibaba/EasyParallelLibrary, docs/en/api/str
   is colocated with the stage it falls in (EPL's ``cluster.colocate_split_and_replicate``);
 * every stage gets the same ``tp`` devices (tp = the split degree): modules outside ``split`` scopes are
   replicated over them, so one model replica uses ``pp x tp`` devices and data parallelism takes the rest
-  of the world.
+  of the world;
+* a ``split`` scope around an experts module (:mod:`torchloom.moe.protocol`), or around a block holding one,
+  is expert parallel, as EPL configures M6: ``ep`` = the scope's device count, carved out of the
+  data-parallel ranks (it must divide ``dp`` and every ``num_experts``); the MoE block's router and shared
+  experts stay replicated (data parallel); see :mod:`.split_experts`.
 
 An annotation is a plain attribute (:data:`ATTR`) on the modules: forward, parameters and state-dict keys
 are untouched, and it survives ``copy.deepcopy`` and pickling.
@@ -156,7 +160,9 @@ def replicate(*modules: Any, device_count: int | None = None, name: str | None =
 
 
 def split(*modules: Any, device_count: int | None = None, name: str | None = None) -> Any:
-    """A tensor-parallel scope: its Linear and Embedding modules are split over ``device_count`` devices.
+    """A tensor-parallel scope: its Linear and Embedding modules are split over ``device_count`` devices; its
+    experts modules (MoE, :mod:`torchloom.moe.protocol`) are spread over ``device_count`` expert-parallel ranks
+    instead (EPL's ``split`` around M6's experts), with the rest of their MoE block replicated.
 
     Forms::
 
@@ -167,7 +173,8 @@ def split(*modules: Any, device_count: int | None = None, name: str | None = Non
 
     Args:
         modules: modules to annotate now, or a single int: the device count.
-        device_count: the tensor-parallel degree (an int >= 2); required.
+        device_count: the tensor-parallel degree, or for experts the expert-parallel degree (an int >= 2);
+            required.
         name: label for plans and errors.
 
     Returns:
@@ -179,7 +186,8 @@ def split(*modules: Any, device_count: int | None = None, name: str | None = Non
     """
     targets, count = _targets("split", modules, device_count)
     if count is None:
-        raise StrategyError("split needs device_count, the tensor-parallel degree: split(device_count=2).")
+        raise StrategyError("split needs device_count, the tensor-parallel degree (for experts: the expert-parallel "
+                            "degree): split(device_count=2).")
     scope = Scope("split", _check_count("split", count, minimum=2), name)
     return scope(*targets) if targets else scope
 
@@ -221,6 +229,7 @@ class AnnotationPlan:
             ``ep`` is carved out of the data-parallel ranks, so it does not change ``devices_per_replica``.
         experts: FQNs of the experts modules in split scopes (:mod:`.split_experts`).
         experts_cls: their class names (``expert_parallel``'s ``experts_cls``).
+        mixed: True when a split scope holds experts and also gives tensor-parallel entries.
     """
 
     stages: list[str]
@@ -230,6 +239,7 @@ class AnnotationPlan:
     ep: int = 1
     experts: list[str] = field(default_factory=list)
     experts_cls: list[str] = field(default_factory=list)
+    mixed: bool = False
 
     @property
     def pp(self) -> int:
@@ -282,7 +292,7 @@ def plan_from_annotations(model: nn.Module, derive_tp_plan: bool = True) -> Anno
                 f"devices is derived from the world size. Use replicate(device_count=1)."
             )
     return AnnotationPlan([s.label for s in stages], split_points, tp, tp_plan, experts.ep, list(experts.experts),
-                          experts.classes)
+                          experts.classes, mixed=any(s in tp_scopes for s in experts.scopes))
 
 
 def _check_tp_counts(scopes: list[Scope]) -> None:
@@ -355,7 +365,7 @@ def _check_ep_divides_dp(plan: AnnotationPlan, world_size: int, dp: int, pm: dic
     need = plan.devices_per_replica * plan.ep
     tp_part = (f" The tensor-parallel entries of the split scopes (degree {plan.tp}) use other devices than the "
                f"expert-parallel ranks; to spread only the experts, put the split scopes around the experts modules "
-               f"alone (e.g. torchloom.split({plan.experts[0]}, device_count={plan.ep}))." if plan.tp > 1 else "")
+               f"alone (e.g. torchloom.split({plan.experts[0]}, device_count={plan.ep}))." if plan.mixed else "")
     raise StrategyError(
         f"the split scopes around experts ask for expert parallel degree ep={plan.ep}, but on {world_size} "
         f"processes the data-parallel degree is {dp} ({world_size} / ({plan.pp} pipeline stage(s) x tensor-parallel "

@@ -20,6 +20,9 @@
     how it reshapes), ``nn.MultiheadAttention`` (its forward reads the weights directly), and a split scope
     that yields no plan entry at all.
 
+Experts modules and the rest of their MoE block are not seen here: they are expert parallel
+(:mod:`.split_experts`), and a split scope that holds experts needs no tensor-parallel entry.
+
 Megatron-LM's layout (Shoeybi et al., 2019): a column-wise group followed by one row-wise layer needs one
 all-reduce and never materialises the full intermediate activation on one rank.
 """
