@@ -45,7 +45,7 @@ class ExpertParallel(Method):
     def validate(self, info, dims) -> None:
         """``apply``'s checks on the (meta) model and degrees: with ``ep > 1`` the model has experts modules
         (of ``experts_cls`` when given), each ``num_experts`` divisible by ``ep``, and the strategy has no
-        ``sequence_parallel``.
+        ``sequence_parallel`` and no tensor-parallel plan that splits an experts module.
 
         Raises:
             StrategyError: naming the failing module, ``E``, ``ep`` and the valid degrees.
@@ -54,7 +54,9 @@ class ExpertParallel(Method):
         if dims.ep > 1 and strategy is not None:
             _check_strategy(strategy, dims.ep)
         if dims.ep > 1 and info.module is not None:
-            self.experts_modules(info.module, dims.ep)
+            found = self.experts_modules(info.module, dims.ep)
+            if dims.tp > 1 and strategy is not None and "tensor_parallel" in strategy:
+                _check_tp_plan(info.module, strategy.config("tensor_parallel"), found)
 
     def configure(self, ctx) -> None:
         if ctx.dims.ep > 1:
@@ -116,6 +118,24 @@ class ExpertParallel(Method):
         ctx.note(f"expert_parallel: {n} experts modules of {sorted(classes)} sharded over ep={ep} "
                  f"({'/'.join(map(str, sorted(e)))} experts, {'/'.join(str(x // ep) for x in sorted(e))} per rank), "
                  f"all-to-all dispatch; expert gradients reduced over edp={ctx.mesh.dims.edp}")
+
+
+def _check_tp_plan(model, tp_config, found) -> None:
+    """The tensor-parallel plan must leave the experts modules whole (they are split over ep, replicated
+    over tp); the built-in Mixtral plan splits every expert over tp ('moe_experts')."""
+    from ..parallel.tensor.apply import resolve_plan
+    from ..parallel.tensor.plans import auto_plan, custom_plan
+    from ..parallel.tensor.styles import SHARDING_STYLES
+
+    plan = auto_plan(model) if tp_config.plan == "auto" else custom_plan(model, tp_config.plan)
+    targets = resolve_plan(model, plan).targets
+    split = [q for q, _ in found if targets.get(q) in SHARDING_STYLES]
+    if split:
+        raise StrategyError(
+            f"expert_parallel with tensor_parallel: the tensor-parallel plan splits the experts modules {split[:2]} "
+            f"over tp ('{targets[split[0]]}'); splitting experts over tp and ep at once is not supported yet. Pass a "
+            "tensor_parallel plan without the experts entry (experts then split over ep and replicated over tp), "
+            "or use ep=1.")
 
 
 def _check_strategy(strategy, ep: int) -> None:
