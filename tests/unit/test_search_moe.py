@@ -1,0 +1,233 @@
+"""Expert parallelism in the planner: the MoE model analysis, ``expert_cost.estimate_expert_parallel``, the
+expert share of the memory model, the ``ep`` axis of the space, and ``loom plan`` for Mixtral-8x7B.
+
+Every expected number is computed by hand from the model's config (not read back from the code under test);
+the comment next to each check says how far a wrong model (double-scaled experts, ep counted in the world
+size, data-dependent expert FLOPs) would be."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models import tiny_llama, tiny_moe, tiny_moe_config  # noqa: E402
+
+from torchloom.parallel.mesh import ParallelDims  # noqa: E402
+from torchloom.search.analysis import analyze_model  # noqa: E402
+from torchloom.search.candidate import Candidate, StepShape  # noqa: E402
+from torchloom.search.cost import compose, predict  # noqa: E402
+from torchloom.search.expert_cost import estimate_expert_parallel  # noqa: E402
+from torchloom.search.hardware import CollectiveFit, Hardware  # noqa: E402
+from torchloom.search.options import SearchOptions  # noqa: E402
+from torchloom.search.space import check, enumerate_space  # noqa: E402
+from torchloom.search.validate import validate_strategy  # noqa: E402
+
+SEQ = 16
+RATE = 1e12
+
+
+def hw(memory: float = 80e9, ranks: int = 4) -> Hardware:
+    """Constant matmul rate, free memory-bound work, collectives at 1 GB/s + 10 us (every kind)."""
+    fit = CollectiveFit([(1.0, 1e-5), (1e9, 1e-5 + 1.0)])
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "broadcast", "all_to_all")
+    return Hardware("toy", "cuda", memory, ranks, 1, {"float32": [(1.0, RATE)], "bfloat16": [(1.0, 2 * RATE)]},
+                    {"float32": RATE, "bfloat16": 2 * RATE}, mem_bw=1e30, op_overhead_s=0.0,
+                    intra={k: {g: fit for g in (2, 4, 8)} for k in kinds})
+
+
+def cand(methods, mb=2, accum=1, **dims) -> Candidate:
+    return Candidate(ParallelDims(**dims), tuple((n, dict(c)) for n, c in methods), mb, accum, SEQ)
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return analyze_model(tiny_moe("mixtral"), seq_len=SEQ)
+
+
+def expert_elements(cfg, family: str) -> tuple[int, int]:
+    """(all expert elements, matrix elements of one expert) from the config alone."""
+    e = cfg.num_local_experts if family == "mixtral" else cfg.num_experts
+    inter = cfg.intermediate_size if family == "mixtral" else cfg.moe_intermediate_size
+    one = 2 * inter * cfg.hidden_size + cfg.hidden_size * inter  # gate_up [2I, H] + down [H, I]
+    return cfg.num_hidden_layers * e * one, one
+
+
+# -- model analysis ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_analysis_records_the_experts_and_prices_balanced_routing(family):
+    """Before the fix the analysis of an HF MoE model with output_router_logits=True failed ("cannot trace
+    MixtralForCausalLM on fake tensors: IndexError: tuple index out of range": the load-balancing loss of a
+    forward whose blocks were pass-throughs) and recorded nothing about experts."""
+    cfg = tiny_moe_config(family)
+    model = tiny_moe(family)
+    info = analyze_model(model, seq_len=SEQ)
+    ex = info.experts
+    total, one = expert_elements(cfg, family)
+    e = 4
+    assert ex is not None and ex.num_experts == e and ex.top_k == 2 and ex.layers == cfg.num_hidden_layers
+    assert ex.modules == [f"model.layers.{i}.mlp.experts" for i in range(cfg.num_hidden_layers)]
+    assert ex.params == total and ex.params_per_expert == one
+    assert ex.active_params == info.n_params - total + total * 2 // e
+    # balanced routing: SEQ tokens x top_k rows through 2*one FLOPs each, per layer (data-dependent routing
+    # would give any count; an unrouted price would be E/top_k = 2x this)
+    assert ex.routed_flops_fwd == 2.0 * SEQ * 2 * one * cfg.num_hidden_layers
+    # the traced expert GEMMs (grouped, E groups of SEQ*k/E rows) carry exactly those FLOPs
+    block = info.blocks[0]
+    grouped = sum(g.flops for g in block.fwd.matmuls if g.count == e and g.m == SEQ * 2 // e)
+    assert grouped * block.count == pytest.approx(ex.routed_flops_fwd)
+    # the model is as it was
+    assert model.config.output_router_logits is True
+
+
+def test_eager_experts_are_traced_with_the_grouped_implementation():
+    """The eager HF experts loop over ``nonzero()`` (data-dependent): before the fix the analysis failed with
+    "DynamicOutputShapeException: aten.nonzero.default". Now the same FLOPs as grouped_mm, setting restored."""
+    grouped = analyze_model(tiny_moe("mixtral"), seq_len=SEQ)
+    model = tiny_moe("mixtral")
+    model.config._experts_implementation = "eager"
+    eager = analyze_model(model, seq_len=SEQ)
+    assert eager.flops_per_sample() == pytest.approx(grouped.flops_per_sample())
+    assert eager.experts.routed_flops_fwd == grouped.experts.routed_flops_fwd
+    assert model.config._experts_implementation == "eager"
+    assert any("grouped_mm" in n for n in eager.notes)
+
+
+def test_a_dense_model_has_no_experts():
+    assert analyze_model(tiny_llama(), seq_len=SEQ).experts is None
+
+
+# -- the estimate ---------------------------------------------------------------------------------------
+def test_expert_parallel_all_to_alls_are_priced_per_layer_on_the_ep_view(mixtral):
+    c = cand([("ddp", {}), ("expert_parallel", {})], mb=2, accum=3, dp_replicate=4, ep=2)
+    step = StepShape.of(c)
+    e = estimate_expert_parallel(None, mixtral, c.dims, hw(), step)
+    routed = 2 * SEQ * 2 * 32 * 4  # micro-batch x seq x top_k x hidden x fp32 bytes
+    fwd, bwd, counts = e.collectives
+    for col in (fwd, bwd):
+        assert (col.kind, col.view, col.overlap, col.nbytes) == ("all_to_all", "ep", "none", routed)
+        assert col.calls == 2 * 2 * 3  # 2 per MoE layer (dispatch + combine) x 2 layers x 3 micro-batches
+    assert counts.nbytes == 8 * 4 and counts.calls == 2 * 3
+    assert e.group_memory_scale["expert"] == {"params": 0.5, "grads": 0.5, "optimizer": 0.5}
+    # nothing at ep=1 or for a dense model
+    assert estimate_expert_parallel(None, mixtral, ParallelDims(dp_replicate=4), hw(), step) is None
+    dense = analyze_model(tiny_llama(), seq_len=SEQ)
+    assert estimate_expert_parallel(None, dense, c.dims, hw(), step) is None
+    # priced by the hardware model at the measured fit for the group (1 GB/s + 10 us), fully exposed
+    p = predict(c, mixtral, hw())
+    rec = next(r for r in p.collectives if r["label"] == "expert_parallel.all_to_all_fwd")
+    one = 1e-5 + (routed - 1) / (1e9 - 1)  # the fit line at ep=2 (a measured group size: no rescaling)
+    assert rec["seconds"] == pytest.approx(12 * one) and rec["exposed_s"] == rec["seconds"]
+    assert p.time["comm_exposed:expert_parallel.all_to_all_fwd"] == pytest.approx(12 * one)
+
+
+def test_expert_memory_is_split_once_under_ddp_and_fsdp(mixtral):
+    """DDP + ep=2: dense replicated, experts / 2; FSDP over dp_shard=4 with ep=2: experts / (ep x edp_shard)
+    = / 4, like the dense part. A double-scaled model would give experts / 8 under FSDP (0.5x)."""
+    ex, h = mixtral.experts, hw()
+    dense = mixtral.n_params - ex.params
+    ddp = compose(cand([("ddp", {}), ("expert_parallel", {})], dp_replicate=4, ep=2), mixtral, h).memory
+    assert ddp["params"] == pytest.approx((dense + ex.params / 2) * 4)
+    assert ddp["optimizer"] == pytest.approx((dense + ex.params / 2) * 8)
+    fsdp = compose(cand([("fsdp", {}), ("expert_parallel", {})], dp_shard=4, ep=2), mixtral, h).memory
+    assert fsdp["params"] == pytest.approx(mixtral.n_params * 4 / 4)
+    assert fsdp["grads"] == pytest.approx(mixtral.n_params * 4 / 4)
+    # ep across the whole of dp_shard=2 (ep=2, dp_replicate=2): experts / 2 (edp_shard = 1), dense / 2
+    hsdp = compose(cand([("fsdp", {}), ("expert_parallel", {})], dp_replicate=2, dp_shard=2, ep=2), mixtral, h)
+    assert hsdp.memory["params"] == pytest.approx((dense / 2 + ex.params / 2) * 4)
+
+
+def test_ep_is_not_a_factor_of_the_world_size(mixtral):
+    """Before the fix predict and validate multiplied ep into the world: 4 ranks with ep=2 were 8, so
+    tokens/s per device halved and validate_strategy raised "the strategy's degrees resolve to ... on 8
+    ranks"."""
+    c = cand([("ddp", {}), ("expert_parallel", {})], dp_replicate=4, ep=2)
+    p = predict(c, mixtral, hw())
+    assert p.tokens_per_s_per_device == pytest.approx(p.tokens_per_s / 4)
+    validate_strategy(c.strategy(), mixtral, c.dims)  # no error on its own 4 ranks
+
+
+# -- the space ------------------------------------------------------------------------------------------
+def test_the_space_tries_ep_among_common_divisors_of_dp_and_the_experts(mixtral):
+    space = enumerate_space(mixtral, 8, 16, SearchOptions())
+    seen = {}
+    for c in space.bases:
+        seen.setdefault((c.dims.pp, c.dims.dp_replicate, c.dims.dp_shard, c.dims.tp), set()).add(c.dims.ep)
+        assert ("expert_parallel" in c.names) == (c.dims.ep > 1)
+        assert not (c.dims.ep > 1 and "zero1" in c.names)  # declared conflict: never enumerated
+    for (pp, dpr, dps, tp), eps in seen.items():
+        dp = dpr * dps
+        assert eps == {d for d in (1, 2, 4) if dp % d == 0}, (pp, dpr, dps, tp)  # E = 4: never ep=8
+    assert any(c.dims.ep == 4 for c in space.bases)
+    # validate: sequence parallel with ep is refused by expert_parallel.validate, the rest passes
+    sp = next(c for c in space.bases if c.dims.ep > 1 and "sequence_parallel" in c.names)
+    assert "sequence_parallel" in (check(sp, mixtral) or "")
+    ok = next(c for c in space.bases if c.dims.ep > 1 and c.dims.tp == 1 and "ddp" in c.names)
+    assert check(ok, mixtral) is None
+
+
+def test_ep_options_and_dense_models(mixtral):
+    dense = analyze_model(tiny_llama(), seq_len=SEQ)
+    assert all(c.dims.ep == 1 for c in enumerate_space(dense, 8, 16, SearchOptions()).bases)
+    no_ep = enumerate_space(mixtral, 8, 16, SearchOptions.parse({"exclude": ["expert_parallel"]}))
+    assert all(c.dims.ep == 1 for c in no_ep.bases)
+    only = enumerate_space(mixtral, 8, 16, SearchOptions.parse({"include": ["expert_parallel"]}))
+    assert only.bases and all(c.dims.ep > 1 for c in only.bases)
+    pinned = enumerate_space(mixtral, 8, 16, SearchOptions.parse({"fixed": {"ep": 2}}))
+    assert pinned.bases and all(c.dims.ep == 2 for c in pinned.bases)
+    with pytest.raises(Exception, match="fixed ep=2 but expert_parallel is excluded"):
+        SearchOptions.parse({"fixed": {"ep": 2}, "exclude": ["expert_parallel"]})
+
+
+def test_the_search_picks_ep_when_the_experts_do_not_fit_replicated(mixtral):
+    """Two ranks, DDP only (FSDP/ZeRO excluded): replicated experts do not fit, experts / 2 do. The
+    memory limit sits between the two peaks; they differ by at least half the experts' parameter, gradient
+    and Adam bytes (16 B per element)."""
+    from torchloom.search.search import search
+
+    opts = {"top_k": 0, "exclude": ["fsdp", "zero1", "tensor_parallel", "pipeline_parallel", "checkpoint"]}
+    big = search(info=mixtral, world_size=2, global_batch=4, hw=hw(ranks=2), options=opts)
+    by_ep = {}
+    for e in big.ranked:
+        by_ep[e.candidate.dims.ep] = min(by_ep.get(e.candidate.dims.ep, 1e30), e.prediction.peak_memory_bytes)
+    assert by_ep[1] - by_ep[2] >= mixtral.experts.params * 16 / 2
+    limit = (by_ep[1] + by_ep[2]) / 2
+    small = search(info=mixtral, world_size=2, global_batch=4, hw=hw(memory=limit / 0.95, ranks=2), options=opts)
+    assert small.chosen.dims.ep == 2 and "expert_parallel" in small.chosen.names
+    assert all(e.candidate.dims.ep == 2 for e in small.ranked)
+
+
+# -- loom plan ----------------------------------------------------------------------------------------------
+def test_loom_plan_mixtral_chooses_ep_and_explains_the_all_to_all():
+    """Mixtral-8x7B on 64 H100s with DDP (no FSDP/ZeRO, no tensor parallel): the best plan has ep > 1, and the
+    same plan without ep does not fit (the experts are 45 B of the 46.7 B parameters); the breakdown sums
+    to the total."""
+    import dataclasses
+
+    from torchloom.search.plan_cli import plan, render_explain, render_table
+
+    report = plan("mixtral-8x7b", gpu="h100", gpus=64, gpus_per_node=8,
+                  search_options={"exclude": ["fsdp", "zero1", "tensor_parallel"]})
+    best = report.rows[0]
+    c, p = best.candidate, best.prediction
+    assert c.dims.ep > 1 and "expert_parallel" in c.names
+    assert sum(p.time.values()) == pytest.approx(p.step_time_s)
+    assert sum(p.memory.values()) == pytest.approx(p.peak_memory_bytes)
+    assert p.time.get("comm_exposed:expert_parallel.all_to_all_fwd", 0) > 0
+    without = Candidate(dataclasses.replace(c.dims, ep=1), tuple(m for m in c.methods if m[0] != "expert_parallel"),
+                        c.micro_batch, c.grad_accum, c.seq_len)
+    assert not predict(without, report_info(), report.hardware).fits
+    assert report.experts.num_experts == 8 and report.experts.top_k == 2
+    assert 12.5e9 < report.experts.active_params < 13.2e9  # Mistral's published 12.9 B active
+    table = render_table(report, top=3)
+    assert f"ep{c.dims.ep}" in table and "experts  32 MoE layers x 8 experts" in table
+    assert "all-to-all share" in render_explain(report, 1)
+    assert report.to_dict(top=1)["model"]["experts"]["num_experts"] == 8
+
+
+def report_info():
+    from torchloom.search.presets import resolve_model
+
+    return resolve_model("mixtral-8x7b").analyze(8192)
