@@ -96,7 +96,8 @@ def test_aux_gradient_is_weight_times_formula_and_follows_the_scale():
             loss = y.square().sum()
             if by_hand:
                 r = m.router.route(x)
-                loss = loss + scale * (0.3 * load_balancing_loss(r.probs, r.selected, 4) + 0.01 * router_z_loss(r.logits))
+                aux = 0.3 * load_balancing_loss(r.probs, r.selected, 4) + 0.01 * router_z_loss(r.logits)
+                loss = loss + scale * aux
             loss.backward()
         return m.router.weight.grad.clone()
 
@@ -232,7 +233,8 @@ def test_protocol_and_config_errors():
     for bad, word in [(dict(top_k=5), "top_k"), (dict(score_func="relu"), "score_func"),
                       (dict(capacity_factor=0), "capacity_factor"), (dict(aux_loss_weight=-1), "aux_loss_weight"),
                       (dict(score_func="sigmoid", softmax_before_topk=False), "softmax_before_topk"),
-                      (dict(num_shared_experts=-1), "num_shared_experts"), (dict(router_dtype=torch.int32), "router_dtype"),
+                      (dict(num_shared_experts=-1), "num_shared_experts"),
+                      (dict(router_dtype=torch.int32), "router_dtype"),
                       (dict(num_experts=0), "num_experts")]:
         with pytest.raises(MoEConfigError, match=word):
             MoEConfig(**{**dict(dim=8, hidden_dim=12, num_experts=4), **bad})
