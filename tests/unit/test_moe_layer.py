@@ -242,3 +242,17 @@ def test_protocol_and_config_errors():
         track_expert_load(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
         m(torch.randn(2, 7))
+
+
+def test_meta_device_build_materialises_to_the_plain_build():
+    from torchloom.parallel.materialize import materialize_meta_model
+
+    cfg = MoEConfig(dim=8, hidden_dim=12, num_experts=4, num_shared_experts=1)
+    torch.manual_seed(0)
+    plain = MoE(cfg)
+    with torch.device("meta"):
+        meta = MoE(cfg)
+    torch.manual_seed(0)
+    materialize_meta_model(meta, torch.device("cpu"))
+    for (n, a), b in zip(plain.named_parameters(), meta.parameters()):
+        assert torch.equal(a, b), n  # every initialiser replays in the plain build's order

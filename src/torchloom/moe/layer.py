@@ -28,8 +28,14 @@ class SwiGLU(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.init_std = init_std
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; a method so meta-device materialisation replays it (after the
+        Linear children's own init, as the plain build runs them)."""
         for lin in (self.w1, self.w2, self.w3):
-            nn.init.normal_(lin.weight, std=init_std)
+            nn.init.normal_(lin.weight, std=self.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
