@@ -179,6 +179,8 @@ class _LogToJob(logging.Handler):
 class Job:
     """One run of the training job on this rank (state shared by the loop, eval, checkpointing)."""
 
+    expert_load = None  # a torchloom.moe ExpertLoadTracker for the MoE model (set in setup)
+
     def __init__(self, cfg: TrainConfig, max_steps_this_run: int | None = None):
         self.cfg = cfg
         self.max_steps_this_run = max_steps_this_run
@@ -293,7 +295,6 @@ class Job:
             self.save_searched(res, signature, search)
         self.tokens_per_step = res.global_batch_size * seq
         moe_note = ""
-        self.expert_load = None
         if cfg.model.is_moe:
             from torchloom.moe import track_expert_load
 
