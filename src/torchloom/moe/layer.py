@@ -16,7 +16,8 @@ AUX_NAMES = ("load_balance_loss", "z_loss")  # keys of the recorded aux values (
 def in_backward() -> bool:
     """True while autograd runs a backward pass: a forward now is activation-checkpoint recomputation, which
     must not be recorded a second time (the routing is the same: recomputation is deterministic)."""
-    return torch._C._current_graph_task_id() != -1
+    task_id = getattr(torch._C, "_current_graph_task_id", None)  # private; present since torch 1.13
+    return task_id is not None and task_id() != -1
 
 
 class SwiGLU(nn.Module):
