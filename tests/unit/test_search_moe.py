@@ -177,6 +177,9 @@ def test_ep_options_and_dense_models(mixtral):
     assert only.bases and all(c.dims.ep > 1 for c in only.bases)
     pinned = enumerate_space(mixtral, 8, 16, SearchOptions.parse({"fixed": {"ep": 2}}))
     assert pinned.bases and all(c.dims.ep == 2 for c in pinned.bases)
+    odd = enumerate_space(mixtral, 8, 16, SearchOptions.parse({"fixed": {"ep": 8}}))  # E = 4
+    assert not odd.bases and any("must divide both dp=8 and num_experts=4" in p.reason for p in odd.pruned)
+    assert "no experts modules" in enumerate_space(dense, 8, 16, SearchOptions.parse({"fixed": {"ep": 2}})).pruned[0].reason
     with pytest.raises(Exception, match="fixed ep=2 but expert_parallel is excluded"):
         SearchOptions.parse({"fixed": {"ep": 2}, "exclude": ["expert_parallel"]})
 
