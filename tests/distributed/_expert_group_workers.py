@@ -205,8 +205,9 @@ def _strip(name: str) -> str:
     return name.removeprefix("module.")
 
 
-def _run(method: str, drop_rank: int | None, experts: int = E, meta: bool = False) -> dict:
+def _run(method: str, drop_rank: int | None, experts: int = E, meta: bool = False, mode: dict | None = None) -> dict:
     from torchloom import auto_accelerate
+    from torchloom.parallel.loss_scaler import DynamicLossScaler
     from torchloom.parallel.param_groups import param_groups_of
 
     rank, dp = dist.get_rank(), dist.get_world_size()
@@ -220,7 +221,7 @@ def _run(method: str, drop_rank: int | None, experts: int = E, meta: bool = Fals
         for _, m in expert_modules(model):
             m.drop_all = True
     res = auto_accelerate(model, torch.optim.SGD, loss_func=loss_fn, optim_args={"lr": LR},
-                          strategy=[("parallel_mode", {"ep": ep}), method, "_test_expert_shard"],
+                          strategy=[("parallel_mode", {"ep": ep, **(mode or {})}), method, "_test_expert_shard"],
                           max_grad_norm=MAX_NORM)
     groups = param_groups_of(res.model)
     out = {"groups": len(groups.members("expert")), "notes": list(res.notes)}
@@ -235,8 +236,12 @@ def _run(method: str, drop_rank: int | None, experts: int = E, meta: bool = Fals
         return out
 
     micro = batches(dp)
-    # step 1: a plain loop (the reducer runs in the optimizer's step pre-hook)
-    loss_fn(micro[0][rank], res.model(micro[0][rank])).backward()
+    # step 1: a plain loop (the reducer runs in the optimizer's step pre-hook), with the loss scaled by 2**10
+    # and the gradients unscaled by DynamicLossScaler (exact: a power of two), which must reach the expert
+    # DTensors (on ep or on the (edp, ep) mesh) as well as the dense gradients
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    scaler.scale_loss(loss_fn(micro[0][rank], res.model(micro[0][rank]))).backward()
+    out["found_inf"] = scaler.unscale_([p for p in params.values() if p.grad is not None])
     res.optimizer.step()
     out["grads1"] = {_strip(k): _full(p.grad) for k, p in params.items() if p.grad is not None}
     out["params1"] = {_strip(k): _full(p) for k, p in params.items()}
@@ -250,11 +255,12 @@ def _run(method: str, drop_rank: int | None, experts: int = E, meta: bool = Fals
 
 def ddp_and_fsdp(drop_rank: int | None) -> dict:
     """One launch: ddp, fsdp, fsdp with 2 experts (edp x ep > E: sharded on dim 1), fsdp from the meta
-    device, then zero1 refusing experts."""
+    device, HSDP (dense 2 x 2, experts over edp), then zero1 refusing experts."""
     from torchloom.errors import StrategyError
 
     out = {"ddp": _run("ddp", drop_rank), "fsdp": _run("fsdp", drop_rank),
-           "fsdp_e2": _run("fsdp", drop_rank, experts=2), "fsdp_meta": _run("fsdp", None, meta=True)}
+           "fsdp_e2": _run("fsdp", drop_rank, experts=2), "fsdp_meta": _run("fsdp", None, meta=True),
+           "hsdp": _run("fsdp", drop_rank, mode={"dp_replicate": 2, "dp_shard": 2})}
     try:
         _run("zero1", None)
         out["zero1"] = None

@@ -4,12 +4,14 @@ Experts are placed by hand on ``mesh["ep"]`` (``_expert_group_workers._ExpertSha
 experts compute only this rank's experts, so every parameter's gradient must be (sum of the dp ranks' own
 gradients) / dp: for dense parameters that is DDP's/FSDP's dp mean, for experts the sum over edp / dp. The
 single-process reference runs each rank's micro-batch with the experts that rank holds (two SGD steps: a
-plain ``backward(); optimizer.step()`` loop, then ``train_step`` with clipping at ``MAX_NORM``).
+plain ``backward(); optimizer.step()`` loop with the loss scaled by 2**10 and the gradients unscaled by
+``DynamicLossScaler.unscale_``, then ``train_step`` with clipping at ``MAX_NORM``).
 
 Tolerances: fp32, differences only from the order of sums (observed ~1e-8): gradients and parameters atol
 1e-6, the clipped step's global norm rtol 1e-5. Wrong runs, asserted > 10x away: expert gradients averaged
 over edp instead of divided by dp (2x), an untrained run, experts broadcast over dp (rank 0's shard on every
-rank), the reducer running twice in a step (experts 1/dp of the right gradient).
+rank), the reducer running twice in a step (experts 1/dp of the right gradient); a gradient the unscaling
+missed would be 1024x off.
 
 Rank 3's experts receive no tokens (case C05's situation for the readers): its expert gradients are None,
 it must not hang, and it counts as zero in the reduction.
@@ -61,9 +63,10 @@ def test_wrong_runs_are_far(ref):
     assert ref["norm2"] > W.MAX_NORM  # the second step really clips
 
 
-@pytest.mark.parametrize("method", ["ddp", "fsdp", "fsdp_e2"])
+@pytest.mark.parametrize("method", ["ddp", "fsdp", "fsdp_e2", "hsdp"])
 def test_expert_and_dense_gradients(runs, ref, ref_e2, method):
-    """fsdp_e2: 2 experts, so edp x ep = 4 > E and FSDP shards the experts on dim 1 (torchtitan's rule)."""
+    """fsdp_e2: 2 experts, so edp x ep = 4 > E and FSDP shards the experts on dim 1 (torchtitan's rule);
+    hsdp: dense parameters on the 2-D (dp_replicate=2, dp_shard=2) mesh, experts on edp."""
     experts = 2 if method == "fsdp_e2" else W.E
     ref = ref_e2 if method == "fsdp_e2" else ref
     start = W.effective_model(EP, experts).state_dict()
@@ -73,6 +76,7 @@ def test_expert_and_dense_gradients(runs, ref, ref_e2, method):
         # broadcasts: dense from rank 0, experts over edp only (ep shard e from rank e)
         d = _diff(got["start"], {k: v for k, v in start.items()})
         assert d <= ATOL, f"{method} rank {rank}: start differs from the broadcast model by {d:.3g}"
+        assert got["found_inf"] is False
         d = _diff(got["grads1"], ref["grads1"])
         assert d <= ATOL, f"{method} rank {rank}: gradients differ from (sum over ranks)/dp by {d:.3g}"
         d = _diff(got["params1"], ref["params1"])
