@@ -16,7 +16,9 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], norm_type: float = 2.
 
     DTensor gradients (FSDP2 shards, tensor parallel) are reduced over their own mesh (``full_tensor`` of
     the Partial norm), grouped by mesh so mixed plain/DTensor lists work. Plain gradients are taken as
-    replicated (DDP, ZeRO-1). ``extra_groups`` are groups holding *disjoint* parameters (pipeline stages):
+    replicated (DDP, ZeRO-1). Expert gradients count once too: under DDP they are DTensors on ``ep`` (equal
+    across edp after ``ExpertGradReducer``), under FSDP on the ``(edp, ep)`` mesh; each is reduced over its
+    own mesh (tests/distributed/test_expert_groups.py checks the sum against one process). ``extra_groups`` are groups holding *disjoint* parameters (pipeline stages):
     their partial norms are summed (``p``-th powers) or max-reduced (inf norm) there, so every rank ends up
     with the same number (torchtitan 596).
     """
