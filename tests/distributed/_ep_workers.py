@@ -42,8 +42,58 @@ def bias_router(model, bias: dict[int, list[int]] | None) -> None:
         gate.forward = forward
 
 
-def build(family: str, bias=None, **kw):
-    model = tiny_moe(family, **kw)
+class _Out:
+    """The few output fields the workers read (``loss``; aux/router fields for the probe)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class LoomMoEBlock(torch.nn.Module):
+    def __init__(self, cfg):
+        from torchloom.moe import MoE
+
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(cfg.dim)
+        self.moe = MoE(cfg)
+
+    def forward(self, h):
+        return h + self.moe(self.norm(h))
+
+
+class LoomMoELM(torch.nn.Module):
+    """A tiny causal LM of :class:`torchloom.moe.MoE` blocks (no attention: the experts are what is tested):
+    4 experts, top-2, capacity factor 1.0 (so some assignments are dropped: index E reaches the dispatch),
+    one shared expert, load-balancing and z losses (added through the layer's autoscaler, scaled by
+    ``train_step``)."""
+
+    def __init__(self, vocab: int = 128, dim: int = 32, layers: int = 2, experts: int = 4):
+        from torchloom.moe import MoEConfig
+
+        super().__init__()
+        cfg = MoEConfig(dim=dim, hidden_dim=48, num_experts=experts, top_k=2, capacity_factor=1.0,
+                        num_shared_experts=1, aux_loss_weight=0.01, z_loss_weight=1e-3)
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(LoomMoEBlock(cfg) for _ in range(layers))
+        self.norm = torch.nn.RMSNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids)
+        for block in self.layers:
+            h = block(h)
+        logits = self.head(self.norm(h))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        aux = sum(v for b in self.layers for v in b.moe.last_aux.values())
+        load = torch.stack([b.moe.last_load.float() for b in self.layers])
+        return _Out(loss=loss, aux_loss=aux.detach(), router_logits=tuple(load))
+
+
+def build(family: str, bias=None, seed: int = 0, **kw):
+    if family == "loom_moe":
+        torch.manual_seed(seed)
+        return LoomMoELM(**kw)
+    model = tiny_moe(family, seed=seed, **kw)
     bias_router(model, bias)
     return model
 
@@ -66,8 +116,10 @@ def _probe_outputs(model, batches) -> list[dict]:
     with torch.no_grad():
         for x in batches:
             o = model(input_ids=x, labels=x)
-            out.append({"loss": o.loss.float().item(), "aux": o.aux_loss.float().item(),
-                        "router": torch.stack([r.float() for r in o.router_logits]).cpu()})
+            routed = getattr(o, "router_logits", None)  # None without output_router_logits
+            out.append({"loss": o.loss.float().item(),
+                        "aux": None if o.aux_loss is None else o.aux_loss.float().item(),
+                        "router": None if routed is None else torch.stack([r.float() for r in routed]).cpu()})
     return out
 
 
@@ -79,6 +131,8 @@ def reference(family: str, steps: int, global_batch: int, dp: int, micro: int, b
     averaged over edp=2 instead of dp=4"). Returns losses (per step, mean over the global batch), the final
     parameters, the expert gradients of the first step (after the 1/(dp*accum) scaling) and the probe
     outputs of each rank's first micro-batch after training."""
+    from torchloom.moe import aux_loss_scale
+
     model = build(family, bias, **kw)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
     batches = rank_batches(steps, global_batch, dp, micro)
@@ -90,7 +144,8 @@ def reference(family: str, steps: int, global_batch: int, dp: int, micro: int, b
             for x in batches[s][r]:
                 with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
                     loss = model(input_ids=x, labels=x).loss
-                (loss / (dp * accum)).backward()
+                with aux_loss_scale(1.0 / (dp * accum)):  # torchloom.moe layers: the main loss's factor
+                    (loss / (dp * accum)).backward()
                 total += loss.item()
         for n, p in model.named_parameters():
             if is_expert_param(n) and p.grad is not None:
@@ -148,13 +203,22 @@ def train(strategy, family: str, steps: int, global_batch: int, micro: int, bias
         dist.all_reduce(acc, group=res.mesh.group("dp"))
         losses.append((acc / dp).item())
     experts = [(n, p) for n, p in _named(res.model) if is_expert_param(n)]
-    local_shapes = {n: tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape) for n, p in experts}
+    placements = {n: _ep_placement(p) for n, p in experts}
     out = {"losses": losses, "params": full_params(res.model), "grads": grads, "notes": res.notes,
-           "local_shapes": local_shapes, "groups": {k: len(v) for k, v in param_groups_of(res.model).modules.items()},
+           "ep_placements": placements, "groups": {k: len(v) for k, v in param_groups_of(res.model).modules.items()},
            "probe": _probe_outputs(res.model, [batches[0][r][0]])[0], "rank": r, "dp": dp}
     if probe_calls:
         out["dispatches"] = count_dispatches(res, batches[0][r][0])
     return out
+
+
+def _ep_placement(p) -> bool:
+    """``p`` is split over the ``ep`` mesh dimension on dim 0 (the expert dimension)."""
+    from torch.distributed.tensor import Shard
+
+    if not isinstance(p, DTensor) or "ep" not in (p.device_mesh.mesh_dim_names or ()):
+        return False
+    return p.placements[p.device_mesh.mesh_dim_names.index("ep")] == Shard(0)
 
 
 def _named(model):
@@ -180,3 +244,29 @@ def count_dispatches(res, x) -> list[int]:
     for m in mods:
         del m._ep_dispatcher.dispatch
     return calls
+
+
+def pp_train(steps: int, global_batch: int, micro: int, schedule: str = "1f1b") -> dict:
+    """pp=2 x dp=2 (ddp) x ep=2 on 4 ranks: a 2-layer Mixtral without the aux loss (its router logits do not
+    cross pipeline stages), one layer per stage, each stage's experts split over its ep group (= its dp ranks).
+    Returns the losses and this rank's stage parameters (full tensors, by name)."""
+    model = build("mixtral", output_router_logits=False)
+    strategy = ["ddp", "expert_parallel", ("pipeline_parallel", {"schedule": schedule, "num_microbatches": 2}),
+                ("parallel_mode", {"pp": 2, "ep": 2})]
+    res = torchloom.auto_accelerate(
+        model, torch.optim.SGD, None, lm_loss, strategy=strategy, optim_args={"lr": LR, "momentum": MOMENTUM},
+        dataloader_args={"batch_size": global_batch, "micro_batch_size": micro}, model_input_format="unpack_dict")
+    dp, r = res.mesh.dp_size, res.mesh.dp_rank
+    batches = rank_batches(steps, global_batch, dp, micro)
+    losses = []
+    for s in range(steps):
+        acc = torch.zeros(())
+        for x in batches[s][r]:
+            acc += res.train_step({"input_ids": x, "labels": x})
+        acc /= res.grad_accum_steps
+        dist.all_reduce(acc, group=res.mesh.group("dp"))
+        losses.append((acc / dp).item())
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
+              for n, p in res.model.named_parameters()}
+    experts = {n: _ep_placement(p) for n, p in res.model.named_parameters() if is_expert_param(n)}
+    return {"losses": losses, "params": params, "notes": res.notes, "ep_placements": experts}
