@@ -205,7 +205,7 @@ def _strip(name: str) -> str:
     return name.removeprefix("module.")
 
 
-def _run(method: str, drop_rank: int | None, experts: int = E, meta: bool = False, mode: dict | None = None) -> dict:
+def _run(method: str | tuple, drop_rank: int | None, experts: int = E, meta: bool = False, mode: dict | None = None) -> dict:
     from torchloom import auto_accelerate
     from torchloom.parallel.loss_scaler import DynamicLossScaler
     from torchloom.parallel.param_groups import param_groups_of
@@ -255,12 +255,14 @@ def _run(method: str, drop_rank: int | None, experts: int = E, meta: bool = Fals
 
 def ddp_and_fsdp(drop_rank: int | None) -> dict:
     """One launch: ddp, fsdp, fsdp with 2 experts (edp x ep > E: sharded on dim 1), fsdp from the meta
-    device, HSDP (dense 2 x 2, experts over edp), then zero1 refusing experts."""
+    device, HSDP (dense 2 x 2, experts over edp), fsdp with the experts class named in wrap_cls, then zero1
+    refusing experts."""
     from torchloom.errors import StrategyError
 
     out = {"ddp": _run("ddp", drop_rank), "fsdp": _run("fsdp", drop_rank),
            "fsdp_e2": _run("fsdp", drop_rank, experts=2), "fsdp_meta": _run("fsdp", None, meta=True),
-           "hsdp": _run("fsdp", drop_rank, mode={"dp_replicate": 2, "dp_shard": 2})}
+           "hsdp": _run("fsdp", drop_rank, mode={"dp_replicate": 2, "dp_shard": 2}),
+           "fsdp_wrap_experts": _run(("fsdp", {"wrap_cls": ["ToyBlock", "ToyExperts"]}), drop_rank)}
     try:
         _run("zero1", None)
         out["zero1"] = None

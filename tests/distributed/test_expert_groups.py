@@ -63,10 +63,11 @@ def test_wrong_runs_are_far(ref):
     assert ref["norm2"] > W.MAX_NORM  # the second step really clips
 
 
-@pytest.mark.parametrize("method", ["ddp", "fsdp", "fsdp_e2", "hsdp"])
+@pytest.mark.parametrize("method", ["ddp", "fsdp", "fsdp_e2", "hsdp", "fsdp_wrap_experts"])
 def test_expert_and_dense_gradients(runs, ref, ref_e2, method):
     """fsdp_e2: 2 experts, so edp x ep = 4 > E and FSDP shards the experts on dim 1 (torchtitan's rule);
-    hsdp: dense parameters on the 2-D (dp_replicate=2, dp_shard=2) mesh, experts on edp."""
+    hsdp: dense parameters on the 2-D (dp_replicate=2, dp_shard=2) mesh, experts on edp; fsdp_wrap_experts:
+    the experts class named in wrap_cls (it stays one unit, on edp)."""
     experts = 2 if method == "fsdp_e2" else W.E
     ref = ref_e2 if method == "fsdp_e2" else ref
     start = W.effective_model(EP, experts).state_dict()

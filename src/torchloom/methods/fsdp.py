@@ -168,11 +168,13 @@ class FSDP(Method):
                     broadcast_states_by_group(model, ctx.mesh.group("dp"), ctx.mesh.group("edp"), expert_ids)
                 else:
                     broadcast_module_states(model, ctx.mesh.group("dp"))
+            # (found before fully_shard renames the experts' class; an experts class named in wrap_cls is
+            # its own unit already, on edp)
+            blocks = [(q, m) for q, m in find_blocks(model, c.wrap_cls) if not any(m is e for e in mine)]
             # experts first: the enclosing block's unit must not take their ep-mesh DTensors on the dense mesh
             for mod in mine:
                 _shard_experts(mod, ctx, c, kw)
             expert_units += len(mine)
-            blocks = find_blocks(model, c.wrap_cls)
             block_classes |= {type(m).__name__ for _, m in blocks}
             shared = shared_parameter_owners(model)
             shared_all += shared
