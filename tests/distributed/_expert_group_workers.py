@@ -205,7 +205,8 @@ def _strip(name: str) -> str:
     return name.removeprefix("module.")
 
 
-def _run(method: str | tuple, drop_rank: int | None, experts: int = E, meta: bool = False, mode: dict | None = None) -> dict:
+def _run(method: str | tuple, drop_rank: int | None, experts: int = E, meta: bool = False,
+         mode: dict | None = None) -> dict:
     from torchloom import auto_accelerate
     from torchloom.parallel.loss_scaler import DynamicLossScaler
     from torchloom.parallel.param_groups import param_groups_of
