@@ -10,11 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import tiny_llama, tiny_moe, tiny_moe_config  # noqa: E402
 
+from torchloom.moe import MoE  # noqa: E402
+from torchloom.moe.config import MoEConfig  # noqa: E402
 from torchloom.parallel.mesh import ParallelDims  # noqa: E402
 from torchloom.search.analysis import analyze_model  # noqa: E402
 from torchloom.search.candidate import Candidate, StepShape  # noqa: E402
@@ -93,6 +97,63 @@ def test_eager_experts_are_traced_with_the_grouped_implementation():
     assert eager.experts.routed_flops_fwd == grouped.experts.routed_flops_fwd
     assert model.config._experts_implementation == "eager"
     assert any("grouped_mm" in n for n in eager.notes)
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm, self.moe = nn.LayerNorm(cfg.dim), MoE(cfg)
+
+    def forward(self, x):
+        return x + self.moe(self.norm(x))
+
+
+class _MoENet(nn.Module):
+    """Embedding, 2 blocks of a pre-norm torchloom.moe.MoE (4 SwiGLU experts, top-2), head."""
+
+    def __init__(self, capacity_factor=None):
+        super().__init__()
+        cfg = MoEConfig(dim=32, hidden_dim=48, num_experts=4, top_k=2, capacity_factor=capacity_factor)
+        self.emb, self.head = nn.Embedding(128, 32), nn.Linear(32, 128)
+        self.blocks = nn.ModuleList([_MoEBlock(cfg) for _ in range(2)])
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _lse_loss(batch, out):
+    return out.float().logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.25])
+def test_torchloom_moe_is_analysed_with_the_flops_of_a_real_run(capacity_factor):
+    """torchloom.moe's GroupedExperts split tokens per expert (``bincount(...).tolist()``) and its load-balancing
+    loss counts with ``bincount``: before the fix the analysis failed with "DynamicOutputShapeException:
+    aten.bincount.default". Dropless, every (token, choice) passes one expert however routing falls, so a real
+    forward + backward counts the same matmul FLOPs as the balanced analysis: checked exactly (an analysis
+    that priced every expert for every token would be 2x on the experts, one that ignored top_k 0.5x). With a
+    capacity factor the real run drops assignments and counts fewer (at most the analysis' number)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _MoENet(capacity_factor)
+    ids = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    info = analyze_model(model, seq_len=SEQ, sample_input=ids, loss_func=_lse_loss)
+    ex = info.experts
+    assert ex.modules == ["blocks.0.moe.experts", "blocks.1.moe.experts"] and (ex.num_experts, ex.top_k) == (4, 2)
+    assert ex.routed_flops_fwd == 2.0 * SEQ * 2 * (3 * 32 * 48) * 2
+    # the model is as it was: no stand-in left, no fake tensor recorded
+    assert all("forward" not in b.moe.experts.__dict__ and "_record" not in b.moe.__dict__ for b in model.blocks)
+    assert model.blocks[0].moe.last_load is None and model.blocks[0].moe.window_forwards == 0
+    with FlopCounterMode(display=False) as fc:
+        _lse_loss(None, model(ids)).backward()
+    real = fc.get_total_flops()
+    if capacity_factor is None:
+        assert info.flops_per_sample() == pytest.approx(real, rel=1e-9)
+    else:
+        assert real <= info.flops_per_sample()
 
 
 def test_a_dense_model_has_no_experts():

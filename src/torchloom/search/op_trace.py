@@ -77,6 +77,21 @@ def _gemms(packet, args, out) -> list[Matmul]:
     return []
 
 
+def _minlength(args, kwargs) -> int:
+    return int(kwargs.get("minlength", args[2] if len(args) > 2 else 0) or 0)
+
+
+def _bincount_result(args, kwargs):
+    """``aten.bincount`` on a fake tensor: its length is ``max(input) + 1`` or ``minlength``, a data-dependent
+    shape fake tensors cannot give. With a ``minlength`` (MoE token counts per expert: ``minlength=E``, every
+    index below it) the result has ``minlength`` bins; without one the op fails as before."""
+    weights = args[1] if len(args) > 1 else kwargs.get("weights")
+    dtype = weights.dtype if weights is not None else torch.int64
+    if dtype not in (torch.int64, torch.float64) and weights is not None:
+        dtype = torch.float64  # bincount returns double for floating weights
+    return torch.zeros(_minlength(args, kwargs), dtype=dtype, device=args[0].device)
+
+
 def _grouped_mm_result(a, b, offs=None, bias=None, out_dtype=None):
     """Output of ``aten._grouped_mm`` (MoE experts) from shapes: 2-D x 3-D -> (M, N) (tokens grouped by
     expert); 2-D x 2-D -> (G, M, N) (grouped along K: weight gradients); 3-D x 3-D -> batched."""
@@ -152,6 +167,8 @@ class OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func._overloadpacket is aten._grouped_mm and isinstance(args[0], FakeTensor):
             out = _grouped_mm_result(*args, **kwargs)  # its meta kernel takes bf16 only; the CPU kernel fp32 too
+        elif func._overloadpacket is aten.bincount and isinstance(args[0], FakeTensor) and _minlength(args, kwargs):
+            out = _bincount_result(args, kwargs)  # data-dependent length: priced at minlength (expert counts)
         else:
             out = func(*args, **kwargs)
         acc = self.passes[self.phase]
