@@ -200,6 +200,19 @@ def test_expert_memory_is_split_once_under_ddp_and_fsdp(mixtral):
     assert hsdp.memory["params"] == pytest.approx((dense / 2 + ex.params / 2) * 4)
 
 
+def test_dense_and_expert_elements_per_rank(mixtral):
+    """The helpers data-parallel estimates read: dense elements (reduced over dp) and experts (over edp)."""
+    from torchloom.search.effects import dense_params, expert_params, rank_params
+
+    ex = mixtral.experts
+    d = ParallelDims(dp_replicate=4, ep=2)
+    assert expert_params(mixtral, d) == ex.params / 2
+    assert dense_params(mixtral, d) == mixtral.n_params - ex.params
+    assert dense_params(mixtral, d) + ex.params == rank_params(mixtral, d)
+    pp = ParallelDims(pp=2, dp_replicate=2, ep=2)  # one of the two MoE layers per stage
+    assert expert_params(mixtral, pp) == ex.params / 2 / 2
+
+
 def test_ep_is_not_a_factor_of_the_world_size(mixtral):
     """Before the fix predict and validate multiplied ep into the world: 4 ranks with ep=2 were 8, so
     tokens/s per device halved and validate_strategy raised "the strategy's degrees resolve to ... on 8

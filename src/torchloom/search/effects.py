@@ -274,6 +274,18 @@ def expert_params(info, dims) -> float:
     return ex.params * share / max(dims.ep, 1)
 
 
+def dense_params(info, dims, *, trainable: bool = False) -> float:
+    """:func:`rank_params` without the experts: the dense elements one rank holds after tensor and pipeline
+    parallelism (what a data-parallel method reduces over ``dp``; the experts, :func:`expert_params`, go over
+    ``edp``). Equal to :func:`rank_params` for a dense model."""
+    ex = getattr(info, "experts", None)
+    total = rank_params(info, dims, trainable=trainable)
+    if ex is None:
+        return total
+    share = blocks_per_rank(info, dims) / max(info.num_blocks, 1) if dims.pp > 1 else 1.0
+    return max(total - ex.params * share / max(dims.tp, 1), 0.0)
+
+
 def moe_layers_per_rank(info, dims) -> float:
     """MoE layers on the most loaded pipeline rank (all of them without pipelining)."""
     ex = getattr(info, "experts", None)
