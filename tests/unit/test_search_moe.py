@@ -252,7 +252,10 @@ def test_ep_options_and_dense_models(mixtral):
     pinned = enumerate_space(mixtral, 8, 16, SearchOptions.parse({"fixed": {"ep": 2}}))
     assert pinned.bases and all(c.dims.ep == 2 for c in pinned.bases)
     odd = enumerate_space(mixtral, 8, 16, SearchOptions.parse({"fixed": {"ep": 8}}))  # E = 4
-    assert not odd.bases and any("must divide both dp=8 and num_experts=4" in p.reason for p in odd.pruned)
+    assert not odd.bases and {p.reason for p in odd.pruned} == {"search fixed ep=8, which does not divide num_experts=4"}
+    four = enumerate_space(mixtral, 8, 16, SearchOptions.parse({"fixed": {"ep": 4}}))
+    assert four.bases and all(c.dims.ep == 4 and c.dims.dp % 4 == 0 for c in four.bases)
+    assert any("does not divide dp=2" in p.reason for p in four.pruned)
     assert "no experts modules" in enumerate_space(dense, 8, 16, SearchOptions.parse({"fixed": {"ep": 2}})).pruned[0].reason
     with pytest.raises(Exception, match="fixed ep=2 but expert_parallel is excluded"):
         SearchOptions.parse({"fixed": {"ep": 2}, "exclude": ["expert_parallel"]})

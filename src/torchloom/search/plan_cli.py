@@ -311,7 +311,8 @@ def render_table(report: PlanReport, top: int = 10) -> str:
     if ex is not None:
         lines.insert(1, f"experts  {ex.layers} MoE layers x {ex.num_experts} experts, top-{ex.top_k}; "
                         f"{ex.params / 1e9:.2f} B expert parameters, {ex.active_params / 1e9:.2f} B active per "
-                        f"token; ep (expert parallel) searched over divisors of dp and {ex.num_experts}")
+                        f"token" + (f"; ep (expert parallel) searched over divisors of dp and {ex.num_experts}"
+                                    if report.mode == "search" else ""))
     if report.mode == "search":
         lines.append(f"searched {report.evaluated:,} candidates in {report.wall_s:.2f} s; "
                      f"{len(report.rows):,} fit; best {min(top, len(report.rows))} shown (--top)")

@@ -292,8 +292,10 @@ def _mesh_pruned(dims, fixed, options, info, global_batch, ranks_per_node) -> st
     if "ep" in fixed and dims.ep != fixed["ep"]:
         if info.experts is None:
             return f"search fixed ep={fixed['ep']}, but the model has no experts modules"
-        return (f"search fixed ep={fixed['ep']}, which must divide both dp={dims.dp} and "
-                f"num_experts={info.experts.num_experts}")
+        e = info.experts.num_experts
+        if e % fixed["ep"]:
+            return f"search fixed ep={fixed['ep']}, which does not divide num_experts={e}"
+        return f"search fixed ep={fixed['ep']}, which does not divide dp={dims.dp}"
     if dims.ep == 1 and "expert_parallel" in options.include:
         return ("expert_parallel included (ep > 1 needed)" if info.experts is not None else
                 "expert_parallel included, but the model has no experts modules")
