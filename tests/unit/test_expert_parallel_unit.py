@@ -94,12 +94,15 @@ def _own_forward_reference(module, x, idx, w):
     return module(x, torch.where(keep, idx, 0), w * keep)
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_sharded_experts_equal_the_module_forward(one_rank_mesh, family):
+def test_sharded_experts_equal_the_module_forward(one_rank_mesh, family, impl):
+    """Hugging Face's experts implementations run unchanged on the local shard (``num_experts`` local)."""
     from torchloom.parallel.expert import shard_experts
 
-    ref_mod = tiny_moe(family).model.layers[0].mlp.experts
-    mod = tiny_moe(family).model.layers[0].mlp.experts
+    ref_mod = tiny_moe(family, experts_implementation=impl).model.layers[0].mlp.experts
+    mod = tiny_moe(family, experts_implementation=impl).model.layers[0].mlp.experts
+    assert mod.config._experts_implementation == impl
     x, idx, w = _inputs(ref_mod.num_experts)
     rx, rw = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
     ref = _own_forward_reference(ref_mod, rx, idx, rw)
@@ -120,13 +123,15 @@ def test_sharded_experts_equal_the_module_forward(one_rank_mesh, family):
         shard_experts(mod, one_rank_mesh)
 
 
-def test_no_kept_row_still_gives_zero_gradients(one_rank_mesh):
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+def test_no_kept_row_still_gives_zero_gradients(one_rank_mesh, impl):
     """C05 on one rank: every choice dropped, the experts compute nothing, yet each expert parameter gets a
     zero gradient (not None) and the graph still reaches the hidden states (the all-to-all's backward runs
-    on every rank)."""
+    on every rank). HF's eager forward on zero rows returns ``zeros_like(hidden)``, cut from the graph: called
+    as is, the parameters' and the hidden states' gradients were None."""
     from torchloom.parallel.expert import shard_experts
 
-    mod = tiny_moe("mixtral").model.layers[0].mlp.experts
+    mod = tiny_moe("mixtral", experts_implementation=impl).model.layers[0].mlp.experts
     shard_experts(mod, one_rank_mesh)
     x, idx, w = _inputs(mod.num_experts)
     out = mod(x, torch.full_like(idx, mod.num_experts), w)
