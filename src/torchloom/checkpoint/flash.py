@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torchloom.checkpoint import commit
+from torchloom.checkpoint import commit, layout
 from torchloom.checkpoint import trainer_state as ts
 from torchloom.checkpoint.shm import Slot, complete_steps
 from torchloom.checkpoint.state import from_json, is_zero_optimizer, to_json
@@ -37,67 +37,8 @@ ON_BUSY = ("wait", "skip")
 
 
 # --------------------------------------------------------------------------- flatten / rebuild state
-def _encode_layout(t: torch.Tensor) -> dict | None:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if not isinstance(t, DTensor):
-        return None
-    placements = []
-    for p in t.placements:
-        if isinstance(p, Shard):
-            placements.append(["S", p.dim])
-        elif isinstance(p, _StridedShard):  # FSDP over tensor parallel (2-D parameters)
-            placements.append(["SS", p.dim, int(p.split_factor)])
-        elif isinstance(p, Replicate):
-            placements.append(["R"])
-        else:
-            raise CheckpointError(f"flash checkpoints cannot store a DTensor with placement {p!r} (only Shard, "
-                                  f"_StridedShard and Replicate); use torchloom.checkpoint.save for this state")
-    mesh = t.device_mesh
-    out = {"mesh": mesh.mesh.tolist(), "dims": list(mesh.mesh_dim_names or []), "placements": placements,
-           "shape": list(t.shape), "stride": list(t.stride())}
-    root = mesh._get_root_mesh()
-    if mesh.mesh_dim_names and root.mesh_dim_names and set(mesh.mesh_dim_names) <= set(root.mesh_dim_names):
-        # rebuilt as root[dims]: the same collective calls on every rank, whatever sub-mesh it holds
-        out["root"] = {"shape": list(root.mesh.shape), "dims": list(root.mesh_dim_names)}
-    return out
-
-
-_MESHES: dict[str, Any] = {}
-
-
-def _root_mesh(root: dict) -> Any:
-    """The world mesh of the training run, built once per process. Creating a mesh creates process groups
-    collectively, so every rank builds the same root mesh and slices its own sub-mesh from it (building
-    each rank's tp or dp sub-mesh directly would hang with pp > 1 or dp > 1)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    key = json.dumps(["root", root])
-    if key not in _MESHES:
-        _MESHES[key] = init_device_mesh("cpu", tuple(root["shape"]), mesh_dim_names=tuple(root["dims"]))
-    return _MESHES[key]
-
-
-def _decode(local: torch.Tensor, layout: dict | None) -> torch.Tensor:
-    if layout is None:
-        return local
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    key = json.dumps([layout["mesh"], layout["dims"], layout.get("root")])
-    if key not in _MESHES:
-        root = layout.get("root")
-        if root is not None:
-            _MESHES[key] = _root_mesh(root)[tuple(layout["dims"])]
-        else:  # unnamed mesh: only correct when every rank holds the same sub-mesh
-            _MESHES[key] = DeviceMesh("cpu", torch.tensor(layout["mesh"]),
-                                      mesh_dim_names=tuple(layout["dims"]) or None)
-    placements = [Shard(p[1]) if p[0] == "S" else _StridedShard(p[1], split_factor=p[2]) if p[0] == "SS"
-                  else Replicate() for p in layout["placements"]]
-    return DTensor.from_local(local, _MESHES[key], placements, run_check=False,
-                              shape=torch.Size(layout["shape"]), stride=tuple(layout["stride"]))
+# DTensor layouts (recorded per entry, rebuilt collectively, resharded in memory): torchloom.checkpoint.layout
+_encode_layout = layout.encode
 
 
 def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -113,10 +54,15 @@ def rebuild_state(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> d
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
     flat: dict[str, Any] = dict(from_json(header["objects"]))
+    layout.prepare_meshes([e["dtensor"] for e in header["entries"]])
     for e in header["entries"]:
-        flat[e["key"]] = _decode(tensors[e["key"]], e["dtensor"])
+        flat[e["key"]] = layout.decode(tensors[e["key"]], e["dtensor"])
     mapping = {k: tuple(v) for k, v in from_json(header["mapping"]).items()}
     return unflatten_state_dict(flat, mapping)
+
+
+def _device_type(t: torch.Tensor) -> str:
+    return t.device_mesh.device_type if hasattr(t, "device_mesh") else t.device.type
 
 
 # ------------------------------------------------------------------------------------- the object
@@ -433,18 +379,35 @@ class FlashCheckpointer:
         objects = from_json(header["objects"])
         mapping = from_json(header["mapping"])
         catalogue = {k: (tuple(v), k in snap) for k, v in mapping.items()}
+        saved_layout = {e["key"]: e["dtensor"] for e in header["entries"]}
 
         def fill(target: dict[str, Any]) -> None:
+            # A shard is copied as it is only where it is the live local shard (same global shape, placements
+            # and sub-mesh); the others (another ep / dp_shard / tp split at this world size) are resharded.
+            moved = [k for k, v in target.items() if isinstance(v, torch.Tensor)
+                     and not layout.same_local_shard(saved_layout.get(k), _encode_layout(v))]
+            held = [k for k, v in target.items() if isinstance(v, torch.Tensor) and k in snap
+                    and saved_layout.get(k) is not None]
+            gathered = layout.agree_reshard([k for k in moved if saved_layout.get(k) is not None], held,
+                                            f"flash snapshot {where}")
+            if gathered:
+                layout.prepare_meshes([saved_layout[k] for k in gathered], _device_type(target[gathered[0]]))
+            for k in gathered:  # collective (the saved DTensor is gathered): the same order on every rank
+                layout.reshard_into(target[k], snap[k], saved_layout[k], k, f"flash snapshot {where}")
             for k, v in target.items():
                 if not isinstance(v, torch.Tensor):
                     target[k] = objects[k]
+                elif k in gathered:
                     continue
-                local = v.to_local() if _encode_layout(v) is not None else v
-                if tuple(local.shape) != tuple(snap[k].shape):
-                    raise CheckpointError(f"flash snapshot {where}: {k} has local shape "
-                                          f"{tuple(snap[k].shape)}, the live state {tuple(local.shape)}")
-                with torch.no_grad():
-                    local.copy_(snap[k])
+                elif k in moved:  # a plain saved value (a replica's full value) into a live DTensor shard
+                    layout.reshard_into(v, snap[k], None, k, f"flash snapshot {where}")
+                else:
+                    local = v.to_local() if _encode_layout(v) is not None else v
+                    if tuple(local.shape) != tuple(snap[k].shape):
+                        raise CheckpointError(f"flash snapshot {where}: {k} has local shape "
+                                              f"{tuple(snap[k].shape)}, the live state {tuple(local.shape)}")
+                    with torch.no_grad():
+                        local.copy_(snap[k])
 
         live = self._live()
         doc = ts.parse_document(header["trainer_state_text"], where)

@@ -1,0 +1,174 @@
+"""Checkpoints of expert-parallel models: save at ep=2, load at ep=1 and ep=4 (resharding the experts).
+
+The model is a tiny Mixtral (4 fused experts, top-2, 2 layers; ``tests.models.tiny_moe``) whose experts are
+DTensors ``Shard(0)`` over ``mesh["ep"]`` (see ``_ep_ckpt_workers``). Saved (uninterrupted runs, 4 steps,
+checkpoint after step 2, both tiers: DCP disk and flash with its savers):
+
+* ``f2``: 2 ranks, FSDP, ep=2 (edp=1);
+* ``f4``: 4 ranks, FSDP, dp=4, ep=2 (experts FSDP over edp=2: ``(_StridedShard(0), Shard(0))``);
+* ``d4``: 4 ranks, DDP, dp=4, ep=2 (experts left out of DDP, reduced over edp);
+* ``t4``: 4 ranks, FSDP, dp_shard=2 x tp=2, ep=2: each rank's (edp, ep) mesh holds other ranks than its
+  tp peer's, so a mesh rebuilt from one rank's view (the flash tier's old way) is wrong.
+
+Loaded into a differently initialised model: ep=4 on 4 ranks (FSDP), ep=1 on 2 ranks (FSDP) and on 1
+process (plain), from disk, from flash (memory at the same world size, else the savers' disk copy), SGD
+(momentum) and AdamW. Checks, and why the tolerances are what they are:
+
+* loaded weights and optimizer state are *bitwise* equal to the saved full values (fp32, no arithmetic);
+* step 4 after the resume equals step 4 of the uninterrupted run: losses rel 1e-5, parameters abs 1e-6.
+  Only the reduction order changes with the layout (measured: <= ~1e-8); a wrong expert row or a lost
+  momentum/AdamW moment moves parameters by >= 1e-4 (checked below: two steps move them by more);
+* every uninterrupted run equals the one-process reference that runs the same micro-batches with
+  gradient accumulation (same tolerances), so the resumed runs are compared with correct training;
+* consolidated export (``export_from_dcp``, what ``loom ckpt export`` writes) holds full ``[E, ...]``
+  experts equal to the saved values; a checkpoint whose expert bytes are damaged is never loaded.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import _ep_ckpt_workers as W
+from torchloom.testing import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+OPTIMS = ("sgd", "adamw")
+SAVES = {  # name: (world, layout, ep, tp)
+    "f2": (2, "fsdp", 2, 1),
+    "f4": (4, "fsdp", 2, 1),
+    "d4": (4, "ddp", 2, 1),
+    "t4": (4, "fsdp", 2, 2),
+}
+LOSS_REL, PARAM_ABS = 1e-5, 1e-6
+
+
+def _save(name, optim):
+    world, layout, ep, tp = SAVES[name]
+    return dict(kind="save", name=f"{name}_{optim}", layout=layout, ep=ep, optim=optim, tp=tp)
+
+
+def _load(source, optim, tier, layout, ep):
+    return dict(kind="load", source=f"{source}_{optim}", tier=tier, layout=layout, ep=ep, optim=optim)
+
+
+# (label, world, job): every load names its source save and where it is loaded
+LOADS_4 = [(f"{s}_{o}->ep4_{t}", _load(s, o, t, "fsdp", 4)) for o in OPTIMS
+           for s, tiers in (("f4", ("disk", "flash")), ("d4", ("disk", "flash")), ("f2", ("disk", "flash")))
+           for t in tiers] + [(f"t4_sgd->ep4_{t}", _load("t4", "sgd", t, "fsdp", 4)) for t in ("flash", "flash-disk")]
+LOADS_2 = [(f"{s}_{o}->ep1x2_{t}", _load(s, o, t, "fsdp", 1)) for o in OPTIMS
+           for s, tiers in (("f4", ("disk", "flash")), ("d4", ("disk",)), ("f2", ("disk", "flash")))
+           for t in tiers]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("ep_ckpt"))
+    saves, loads = {}, {}
+
+    def launch(world, jobs, labels):
+        results = run_ranks(W.run_jobs, world, tmp, jobs, timeout=1500)[0]
+        for label, r in zip(labels, results):
+            (saves if label in SAVES_LABELS else loads)[label] = r
+
+    SAVES_LABELS = {f"{n}_{o}" for n in SAVES for o in OPTIMS}
+    two = [_save("f2", o) for o in OPTIMS]
+    launch(2, two, [j["name"] for j in two])
+    four = [_save(n, o) for n in ("f4", "d4") for o in OPTIMS] + [_save("t4", "sgd")]
+    launch(4, four + [j for _l, j in LOADS_4], [j["name"] for j in four] + [lbl for lbl, _j in LOADS_4])
+    launch(2, [j for _l, j in LOADS_2], [lbl for lbl, _j in LOADS_2])
+    for label, job in [(f"{s}_{o}->ep1x1_{t}", _load(s, o, t, "plain", 1)) for o in OPTIMS
+                       for s in ("f2", "f4", "d4") for t in ("disk", "flash")]:
+        job = dict(job)
+        job.pop("kind")
+        loads[label] = W.load_job(tmp, **job)  # one process, no process group
+    refs = {}
+    for o in OPTIMS:
+        ref = W.Job("plain", 1, o)
+        refs[o] = {"losses": [ref.step(s) for s in range(1, W.STEPS + 1)], "final": ref.full()}
+    return {"tmp": Path(tmp), "saves": saves, "loads": loads, "refs": refs}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_saving_runs_use_the_expert_layouts_and_match_the_reference(runs):
+    s = runs["saves"]
+    assert s["f4_sgd"]["placements"] == ["DTensor:('edp', 'ep'):(_StridedShard(dim=0, sf=2), Shard(dim=0))"]
+    assert s["d4_sgd"]["placements"] == ["DTensor:('ep',):(Shard(dim=0),)"]
+    assert s["t4_sgd"]["placements"] == s["f2_sgd"]["placements"] == s["f4_sgd"]["placements"]
+    for name, r in s.items():
+        ref = runs["refs"][name.rsplit("_", 1)[1]]
+        assert r["losses"] == pytest.approx(ref["losses"], rel=LOSS_REL), name
+        assert _max_diff(r["final"], ref["final"]) < PARAM_ABS, name
+        # how far a wrong resume would land: two optimizer steps move the parameters this much
+        assert _max_diff(r["saved"], r["final"]) > 100 * PARAM_ABS, name
+
+
+@pytest.mark.parametrize("label", [lbl for lbl, _j in LOADS_4] + [lbl for lbl, _j in LOADS_2]
+                         + [f"{s}_{o}->ep1x1_{t}" for o in OPTIMS for s in ("f2", "f4", "d4") for t in ("disk", "flash")])
+def test_resume_in_another_expert_layout(runs, label):
+    src = runs["saves"][label.split("->")[0]]
+    r = runs["loads"][label]
+    assert r["step"] == W.SAVE_AT
+    if label.endswith("_flash"):  # memory at the snapshot's world size, else the savers' disk copy
+        same_world = SAVES[label.split("_")[0]][0] == {"ep4": 4, "ep1x2": 2, "ep1x1": 1}[label.split("->")[1].split("_")[0]]
+        assert r["source"] == ("memory" if same_world else "disk"), label
+    bad = sorted(k for k in src["saved"] if not torch.equal(src["saved"][k], r["loaded"][k]))
+    assert not bad, f"{label}: loaded weights differ from the saved ones: {bad}"
+    assert r["loaded_optim"].keys() == src["saved_optim"].keys()
+    bad = sorted(k for k in src["saved_optim"] if not torch.equal(src["saved_optim"][k], r["loaded_optim"][k]))
+    assert not bad, f"{label}: loaded optimizer state differs: {bad}"
+    assert r["losses"] == pytest.approx(src["losses"][W.SAVE_AT:], rel=LOSS_REL), label
+    assert _max_diff(r["final"], src["final"]) < PARAM_ABS, label
+
+
+def test_export_consolidates_the_experts(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    from torchloom.checkpoint import export_from_dcp
+
+    for name in ("f4_adamw", "d4_sgd", "t4_sgd"):
+        for tier in ("disk", "flash"):
+            out = export_from_dcp(runs["tmp"] / name / tier, tmp_path / f"{name}_{tier}.safetensors")
+            got = load_file(str(out))
+            saved = runs["saves"][name]["saved"]
+            assert got["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 96, 32)
+            assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved), (name, tier)
+
+
+def test_damaged_expert_bytes_are_never_loaded(runs, tmp_path):
+    """Copy f4's checkpoint as a newer step and flip bytes inside the region of one expert shard: the
+    resume skips it (its checksum differs from the COMPLETE marker) and loads the good one."""
+    import shutil
+
+    from torchloom import checkpoint
+    from torchloom.checkpoint.state import read_metadata_safely
+
+    root = tmp_path / "root"
+    good = runs["tmp"] / "f4_sgd" / "disk" / f"step_{W.SAVE_AT:08d}"
+    shutil.copytree(good, root / good.name)
+    bad = root / f"step_{W.SAVE_AT + 1:08d}"
+    shutil.copytree(good, bad)
+    marker = json.loads((bad / "COMPLETE").read_text())
+    marker["step"] = W.SAVE_AT + 1
+    (bad / "COMPLETE").write_text(json.dumps(marker))
+    md = read_metadata_safely(bad / ".metadata")
+    idx, info = next((i, v) for i, v in md.storage_data.items() if "experts.gate_up_proj" in i.fqn
+                     and i.fqn.startswith("model."))
+    with open(bad / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        f.write(b"\xff" * 16)
+    job = W.Job("plain", 1, "sgd", seed=5)
+    info = checkpoint.load(root, model=job.model, optimizer=job.opt)
+    assert info["path"].name == good.name
+    assert torch.equal(job.full()["model.layers.0.mlp.experts.gate_up_proj"],
+                       runs["saves"]["f4_sgd"]["saved"]["model.layers.0.mlp.experts.gate_up_proj"])
+    with pytest.raises(checkpoint.CorruptCheckpointError, match="SHA-256|different bytes"):
+        checkpoint.check(bad)
+
