@@ -199,6 +199,8 @@ class FSDP(Method):
             if ctx.on_meta:
                 materialize_meta_model(model, ctx.device if not c.cpu_offload else torch.device("cpu"))
         ctx.on_meta = False
+        if expert_units and ctx.mesh.dims.edp == 1:
+            _expert_divider(ctx, [m for _, m in expert_mods])
         ctx.block_classes = sorted(block_classes)
         units, shared = range(units_total), shared_all
         if c.sync_buffers:
@@ -230,10 +232,29 @@ def _shard_experts(mod, ctx, c: FSDPConfig, kw: dict) -> None:
     dim1 = dims.edp > 1 and dims.edp * dims.ep > experts and all(p.dim() > 1 for p in mod.parameters(recurse=False))
     fully_shard(mod, reshard_after_forward=c.reshard_after_forward,
                 shard_placement_fn=(lambda _p: Shard(1)) if dim1 else None, **{**kw, "mesh": ctx.mesh["edp"]})
+    if dims.edp == 1:
+        # no communication over a one-rank edp; torch 2.13's FSDP2 then divides by the factor in its
+        # world-size-1 copy AND again by its post-divide factor (force-sum, or an fp16 reduce dtype): dp^2.
+        # Let FSDP divide by 1 and divide by dp at the step instead (_expert_divider).
+        mod.set_gradient_divide_factor(1.0)
+        return
     mod.set_gradient_divide_factor(float(dims.dp))
     if dist.get_backend(ctx.mesh.group("edp")) == "gloo":
         # a factor other than the group size is NCCL's PREMUL_SUM, which gloo lacks: sum, then divide
         mod.set_force_sum_reduction_for_comms(True)
+
+
+def _expert_divider(ctx, modules) -> None:
+    """With edp == 1 the expert units' gradients come out of FSDP summed, not divided: divide them by dp once
+    per step, before clipping (an ExpertGradReducer over a one-rank group divides without communicating)."""
+    from ..parallel.expert.reduce import ExpertGradReducer
+
+    params = [p for m in modules for p in m.parameters(recurse=False)]
+    if not params or ctx.mesh.dims.dp == 1:
+        return
+    divider = ExpertGradReducer(params, ctx.mesh.group("edp"), ctx.mesh.dims.dp)
+    ctx.pre_step_hooks.append(divider)
+    ctx.post_optimizer.append(lambda c: divider.attach(c.model_parts, c.optimizer))
 
 
 def _shard_fp32_norms(model, units: list[list[str]], shared: list[list[str]], c: FSDPConfig, fp32_kw: dict) -> int:
