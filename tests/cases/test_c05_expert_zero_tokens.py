@@ -49,14 +49,7 @@ def _idle_rows(name: str):
     return IDLE.get(layer, [])
 
 
-# FSDP with edp = 1 (dp = ep = 2 here): FSDP2's single-rank reduce path (torch 2.13 _fsdp_collectives.foreach_reduce)
-# divides by the gradient divide factor and again as the post-divide when sum reduction is forced (gloo), so the
-# expert gradients come out 1/dp too small. methods/fsdp.py (part A) forces sum only when it must; strict: this
-# flips to a failure once fixed, and the mark must go.
-FSDP_EDP1 = pytest.mark.xfail(strict=True, reason="fsdp experts unit on edp=1 divides the gradient twice (torch 2.13)")
-
-
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=FSDP_EDP1)])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_idle_experts_zero_gradient_no_hang(runs, ref, strategy):
     for name, g in ref["grads"].items():  # the bias really leaves these experts idle, the others busy
         idle = _idle_rows(name)
