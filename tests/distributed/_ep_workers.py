@@ -172,13 +172,18 @@ def train_many(configs: list[dict]) -> list[dict]:
 
 
 def train(strategy, family: str, steps: int, global_batch: int, micro: int, bias=None, probe_calls: bool = False,
-          **kw) -> dict:
+          meta: bool = False, **kw) -> dict:
     """Train with ``strategy`` (its parallel_mode gives ep); losses averaged over the global batch, full
     parameters, the expert gradients of the first step as the optimizer sees them (full tensors), the probe
-    outputs of this rank's first micro-batch, evidence of what was applied."""
+    outputs of this rank's first micro-batch, evidence of what was applied. ``meta``: the model is built on
+    the meta device (experts sharded as meta DTensors, materialised by fsdp shard by shard)."""
     from torchloom.parallel.param_groups import param_groups_of
 
-    model = build(family, bias, **kw)
+    if meta:
+        with torch.device("meta"):
+            model = build(family, bias, **kw)
+    else:
+        model = build(family, bias, **kw)
     res = torchloom.auto_accelerate(
         model, torch.optim.SGD, None, lm_loss, strategy=strategy, optim_args={"lr": LR, "momentum": MOMENTUM},
         dataloader_args={"batch_size": global_batch, "micro_batch_size": micro}, model_input_format="unpack_dict")

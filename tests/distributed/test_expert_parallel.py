@@ -113,6 +113,7 @@ FOUR_RANK = {
     "ddp": dict(strategy=_ep(2, "ddp", dp=4), family="mixtral", micro=1),
     "fsdp": dict(strategy=_ep(2, "fsdp", dp=4), family="mixtral", micro=1),
     "fsdp_ac_qwen2": dict(strategy=_ep(2, "fsdp", "checkpoint", dp=4), family="qwen2_moe", micro=1),
+    "zero2_meta": dict(strategy=_ep(2, "zero2", dp=4), family="mixtral", micro=2, meta=True),
 }
 GB4 = 8
 
