@@ -148,17 +148,21 @@ def experts_modules(model):
 
 # ------------------------------------------------------------------------------------ layouts
 class Job:
-    """One model + optimizer in one layout. ``layout`` in ``fsdp``, ``ddp``, ``plain``."""
+    """One model + optimizer in one layout. ``layout`` in ``fsdp``, ``ddp``, ``plain`` (built by hand, see the
+    module docstring), ``auto-fsdp``, ``auto-ddp`` (``auto_accelerate`` with ``expert_parallel``)."""
 
     def __init__(self, layout: str, ep: int, optim: str, seed: int = 0, tp: int = 1):
         from torch.distributed.tensor import Shard, distribute_tensor
 
         from torchloom.parallel.mesh import ParallelDims, ParallelMesh
 
-        self.layout, self.ep = layout, ep
+        self.layout, self.ep, self.res = layout, ep, None
         model = build_model(seed)
         self.expert_params: list = []
         self.expert_scale: list = []
+        if layout.startswith("auto-"):
+            self._accelerate(model, layout.split("-", 1)[1], ep, optim)
+            return
         if layout == "plain":
             self.mesh, self.dp, self.dp_rank = None, 1, 0
         else:
@@ -201,12 +205,32 @@ class Job:
         cls, kw = OPTIMS[optim]
         self.opt = cls(model.parameters(), **kw)
 
+    def _accelerate(self, model, method: str, ep: int, optim: str) -> None:
+        """``auto_accelerate`` with ``expert_parallel`` (when ep > 1) and ``method`` (fsdp/ddp) over all ranks."""
+        import torchloom
+
+        world = dist.get_world_size()
+        mode = {"dp_shard": world, "ep": ep} if method == "fsdp" else {"dp_replicate": world, "ep": ep}
+        strategy = [("parallel_mode", mode)] + (["expert_parallel"] if ep > 1 else []) + [method]
+        cls, kw = OPTIMS[optim]
+        res = torchloom.auto_accelerate(
+            model, cls, None, lambda batch, out: out.loss, strategy=strategy, optim_args=kw,
+            dataloader_args={"batch_size": GLOBAL, "micro_batch_size": 1}, model_input_format="unpack_dict")
+        self.res, self.model, self.opt, self.mesh = res, res.model, res.optimizer, res.mesh
+        self.dp, self.dp_rank = res.mesh.dp_size, res.mesh.dp_rank
+
     def step(self, step: int) -> float:
         """Optimizer step ``step`` (1-based) on its global batch; returns the global mean loss."""
         data = token_batches(GLOBAL * STEPS, SEQ)[(step - 1) * GLOBAL: step * GLOBAL]
         per = GLOBAL // self.dp
         mine = data[self.dp_rank * per:(self.dp_rank + 1) * per]
         total = torch.zeros(())
+        if self.res is not None:  # TrainStep accumulates and steps the optimizer after `per` micro-batches
+            for i in range(per):
+                ids = mine[i:i + 1]
+                total += self.res.train_step({"input_ids": ids, "labels": ids}).detach() / per
+            dist.all_reduce(total, group=self.mesh["dp"].get_group())
+            return float(total / self.dp)
         for i in range(per):
             ids = mine[i:i + 1]
             loss = self.model(input_ids=ids, labels=ids).loss / per
