@@ -1,6 +1,8 @@
 """``expert_parallel`` against the one-process reference (tests/distributed/_ep_workers.py: every rank's
 micro-batches run in one process and accumulated, ``output.loss`` including the model's load-balancing loss),
-on tiny Hugging Face MoE models (4 experts, top-2, 2 layers), 3 SGD+momentum steps.
+on tiny Hugging Face MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE: 4 experts, top-2, 2 layers) and a tiny
+``torchloom.moe.MoE`` model (capacity dropping, shared expert, aux and z losses), 3 SGD+momentum steps;
+ddp and fsdp (also zero2 on a meta-device model), activation checkpointing, bf16 autocast, pipeline.
 
 Tolerances (fp32): losses rtol 1e-5, parameters atol 5e-6, router logits of the trained model atol 1e-5,
 expert gradients of the first step (as the optimizer sees them) atol 1e-7. Observed: parameters <= 1e-8
@@ -105,7 +107,8 @@ def test_ep_bf16_autocast_matches_bf16_reference(two_rank):
     for out in two_rank["mixtral_ddp_bf16"]:
         _check_sharded(out, 2)
         _assert_close(out, ref, exact_extras=False)
-    wrong = {**_wrong("mixtral", GB2, 2, 2, autocast_dtype=torch.bfloat16), "fp32": reference("mixtral", STEPS, GB2, 2, 2)}
+    wrong = {**_wrong("mixtral", GB2, 2, 2, autocast_dtype=torch.bfloat16),
+             "fp32": reference("mixtral", STEPS, GB2, 2, 2)}
     _assert_wrong_runs_far(ref, wrong, PARAM_ATOL)
 
 
@@ -115,14 +118,22 @@ FOUR_RANK = {
     "fsdp_ac_qwen2": dict(strategy=_ep(2, "fsdp", "checkpoint", dp=4), family="qwen2_moe", micro=1),
     "zero2_meta": dict(strategy=_ep(2, "zero2", dp=4), family="mixtral", micro=2, meta=True),
 }
+#: attention split over tp, the experts modules left whole (replicated over tp, split over ep)
+ATTENTION_ONLY_PLAN = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+                       "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}
+TP_FOUR_RANK = {
+    "tp2_dp2_fsdp": dict(strategy=["fsdp", ("tensor_parallel", {"plan": ATTENTION_ONLY_PLAN}), "expert_parallel",
+                                   ("parallel_mode", {"tp": 2, "dp": 2, "ep": 2})], family="mixtral", micro=2),
+}
 GB4 = 8
 
 
 @pytest.fixture(scope="module")
 def four_rank():
-    cfgs = [dict(steps=STEPS, global_batch=GB4, **c) for c in FOUR_RANK.values()]
+    runs = {**FOUR_RANK, **TP_FOUR_RANK}
+    cfgs = [dict(steps=STEPS, global_batch=GB4, **c) for c in runs.values()]
     outs = run_ranks(train_many, 4, cfgs, timeout=2400)
-    return {name: [outs[r][i] for r in range(4)] for i, name in enumerate(FOUR_RANK)}
+    return {name: [outs[r][i] for r in range(4)] for i, name in enumerate(runs)}
 
 
 @pytest.mark.parametrize("name", list(FOUR_RANK))
@@ -135,6 +146,19 @@ def test_ep2_dp4_matches_reference(four_rank, name):
         _check_sharded(out, 2)
         _assert_close(out, ref)
     _assert_wrong_runs_far(ref, _wrong(cfg["family"], GB4, 4, cfg["micro"]), PARAM_ATOL)
+
+
+def test_tp2_dp2_ep2_matches_reference(four_rank):
+    """tp=2 (no SP) x dp=2 x ep=2 on 4 ranks with fsdp (edp=1): attention split over tp by a plan that leaves
+    the experts whole; each tp rank dispatches its (tp-replicated) tokens over its own ep group, so the
+    experts see dp=2 ranks' tokens and their gradients are the dp mean, as the dense ones."""
+    ref = reference("mixtral", STEPS, GB4, 2, 2)
+    outs = four_rank["tp2_dp2_fsdp"]
+    for out in outs:
+        _check_sharded(out, 2)
+        assert out["dp"] == 2 and any(n.startswith("tensor_parallel:") for n in out["notes"]), out["notes"]
+        _assert_close(out, ref)
+    _assert_wrong_runs_far(ref, _wrong("mixtral", GB4, 2, 2), PARAM_ATOL)
 
 
 def test_pp2_dp2_ep2_matches_reference():

@@ -180,7 +180,7 @@ def test_tensor_parallel_plan_splitting_experts_is_refused_at_validate():
     m.planning_strategy = Strategy.parse(["fsdp", ("tensor_parallel", {"size": 2}), "expert_parallel"])
     with pytest.raises(StrategyError, match=r"splits the experts modules.*'moe_experts'"):
         m.validate(_Info(model), dims)
-    plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-            "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+    plan = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+            "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}
     m.planning_strategy = Strategy.parse(["fsdp", ("tensor_parallel", {"size": 2, "plan": plan}), "expert_parallel"])
     m.validate(_Info(model), dims)  # experts left whole by the plan: composes
