@@ -195,9 +195,10 @@ def test_expert_memory_is_split_once_under_ddp_and_fsdp(mixtral):
     fsdp = compose(cand([("fsdp", {}), ("expert_parallel", {})], dp_shard=4, ep=2), mixtral, h).memory
     assert fsdp["params"] == pytest.approx(mixtral.n_params * 4 / 4)
     assert fsdp["grads"] == pytest.approx(mixtral.n_params * 4 / 4)
-    # ep across the whole of dp_shard=2 (ep=2, dp_replicate=2): experts / 2 (edp_shard = 1), dense / 2
+    # ep across the whole of dp_shard=2 (ep=2, dp_replicate=2): the experts units shard over all of edp = 2
+    # (a 1-D FSDP on mesh["edp"], which spans dp_replicate): experts / (ep x edp) = / 4, dense / 2
     hsdp = compose(cand([("fsdp", {}), ("expert_parallel", {})], dp_replicate=2, dp_shard=2, ep=2), mixtral, h)
-    assert hsdp.memory["params"] == pytest.approx((dense / 2 + ex.params / 2) * 4)
+    assert hsdp.memory["params"] == pytest.approx((dense / 2 + ex.params / 4) * 4)
 
 
 def test_dense_and_expert_elements_per_rank(mixtral):
@@ -311,3 +312,159 @@ def report_info():
     from torchloom.search.presets import resolve_model
 
     return resolve_model("mixtral-8x7b").analyze(8192)
+
+
+# -- data-parallel collectives on the experts (fsdp/ddp estimates under ep) ----------------------------------
+def _mixtral_elements():
+    """(dense elements of one block, expert elements of one layer, the rest) of tiny_moe("mixtral") from its
+    config: attention q/o H x H, k/v H x kv_heads*head_dim, router E x H, two RMSNorms; experts E x (gate_up
+    2I x H + down H x I); embedding and untied head V x H, final norm."""
+    cfg = tiny_moe_config("mixtral")
+    h, e, i, v = cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size, cfg.vocab_size
+    kv = cfg.num_key_value_heads * h // cfg.num_attention_heads
+    dense_block = 2 * h * h + 2 * h * kv + e * h + 2 * h
+    return dense_block, e * (2 * i * h + h * i), 2 * v * h + h
+
+
+def _effects_of(c, info, name):
+    return next(e for e in compose(c, info, hw()).effects if e.method == name)
+
+
+def _by_label(e):
+    return {col.label: col for col in e.collectives}
+
+
+def test_fsdp_gathers_and_reduces_the_experts_on_edp_with_1_over_ep_of_their_bytes(mixtral):
+    """ZeRO-3 over dp_shard=4 with ep=2 (edp=2), fp32, 3 micro-batches: the dense units gather the dense
+    elements over dp_shard, each of the 2 experts units its ep rank's half of one layer's experts over edp
+    (apply: _shard_experts on mesh["edp"]). Before the fix every collective was on dp_shard and carried all
+    the experts (51,616 elements per pass instead of 14,240 dense + 18,432 expert: 1.6x), and there was no
+    edp collective at all."""
+    block, layer, rest = _mixtral_elements()
+    dense, experts = 2 * block + rest, 2 * layer
+    assert mixtral.n_params == dense + experts and mixtral.experts.params == experts
+    c = cand([("fsdp", {}), ("expert_parallel", {})], mb=2, accum=3, dp_shard=4, ep=2)
+    e = _effects_of(c, mixtral, "fsdp")
+    cols = _by_label(e)
+    unit = layer / 2 * 4  # one experts unit on one ep rank, fp32 bytes
+    for label, calls, overlap in (("fsdp.expert_all_gather", 3 * 2, "forward"),
+                                  ("fsdp.expert_all_gather_bwd", 3 * 2, "backward"),
+                                  ("fsdp.expert_reduce_scatter", 2, "backward")):
+        col = cols[label]
+        assert (col.view, col.nbytes, col.calls, col.overlap) == ("edp", unit, calls, overlap), label
+    # the dense units: the dense elements only, per pass, over dp_shard (2 blocks + the root = 3 units)
+    ag, rs = cols["fsdp.all_gather"], cols["fsdp.reduce_scatter"]
+    assert ag.view == rs.view == "dp_shard"
+    assert ag.nbytes * ag.calls / 3 == pytest.approx(dense * 4) and rs.nbytes * rs.calls == pytest.approx(dense * 4)
+    assert cols["fsdp.all_gather_bwd"].nbytes == pytest.approx(block * 4)
+    # experts sharded over the whole edp; the gathered transient: the last block with its experts + the root
+    assert e.group_memory_scale["expert"] == {"params": 0.5, "grads": 0.5, "optimizer": 0.5}
+    assert e.memory_add["temporary"] == pytest.approx((block + layer / 2 + rest) * 4)
+    # priced on the edp group by the hardware model (1 GB/s + 10 us), the breakdowns sum to the totals
+    p = predict(c, mixtral, hw())
+    rec = next(r for r in p.collectives if r["label"] == "fsdp.expert_all_gather")
+    assert (rec["view"], rec["group"]) == ("edp", 2)
+    assert rec["seconds"] == pytest.approx(6 * (1e-5 + (unit - 1) / (1e9 - 1)))
+    assert sum(p.time.values()) == pytest.approx(p.step_time_s)
+    assert sum(p.memory.values()) == pytest.approx(p.peak_memory_bytes)
+
+
+def test_fsdp_experts_shard_over_all_of_edp_and_zero2_keeps_them_gathered(mixtral):
+    """HSDP 2 x 2 with ep=2: edp = 2 spans dp_replicate, and the experts units (1-D FSDP on mesh["edp"]) shard
+    over it: experts / (ep x edp) = / 4 (the gcd rule for a dp_shard scale gave / 2: 2x the expert state),
+    dense / dp_shard. The dense units' replicate all-reduce carries the dense shard only. ZeRO-2: no backward
+    gather, every experts unit of the rank stays gathered."""
+    block, layer, rest = _mixtral_elements()
+    dense, experts = 2 * block + rest, 2 * layer
+    c = cand([("fsdp", {}), ("expert_parallel", {})], dp_replicate=2, dp_shard=2, ep=2)
+    comp = compose(c, mixtral, hw())
+    assert comp.memory["params"] == pytest.approx((dense / 2 + experts / 4) * 4)
+    assert comp.memory["optimizer"] == pytest.approx((dense / 2 + experts / 4) * 8)
+    cols = _by_label(next(e for e in comp.effects if e.method == "fsdp"))
+    rep = cols["fsdp.all_reduce_replicate"]
+    assert rep.view == "dp_replicate" and rep.nbytes * rep.calls == pytest.approx(dense * 4 / 2)
+    assert cols["fsdp.expert_reduce_scatter"].view == "edp"
+    z2 = _effects_of(cand([("zero2", {}), ("expert_parallel", {})], dp_shard=4, ep=2), mixtral, "fsdp")
+    assert "fsdp.expert_all_gather_bwd" not in _by_label(z2) and "fsdp.expert_all_gather" in _by_label(z2)
+    assert z2.memory_add["temporary"] == pytest.approx((2 * block + experts / 2 + rest) * 4)
+
+
+def test_fsdp_experts_at_edp_1_and_at_ep_1(mixtral):
+    """ep = dp = 2: edp = 1, FSDP does not communicate for the experts (apply: world-size-1 units), experts
+    / 2 by ep alone. ep = 1: no expert units (expert_parallel records no group), the experts are gathered with
+    their blocks over dp_shard as for a dense model."""
+    block, layer, rest = _mixtral_elements()
+    dense, experts = 2 * block + rest, 2 * layer
+    c = cand([("fsdp", {}), ("expert_parallel", {})], dp_shard=2, ep=2)
+    comp = compose(c, mixtral, hw())
+    e = next(x for x in comp.effects if x.method == "fsdp")
+    assert all(col.view == "dp_shard" for col in e.collectives)
+    assert any("edp=1" in n for n in e.notes)
+    assert comp.memory["params"] == pytest.approx((dense / 2 + experts / 2) * 4)
+    one = _effects_of(cand([("fsdp", {})], dp_shard=4), mixtral, "fsdp")
+    ag = _by_label(one)["fsdp.all_gather"]
+    assert ag.nbytes * ag.calls == pytest.approx((dense + experts) * 4)
+    assert "expert" not in one.group_memory_scale
+
+
+def test_ddp_all_reduces_dense_over_dp_and_experts_over_edp(mixtral):
+    """DDP over dp=4 with ep=2: the buckets hold the dense gradients (all-reduced over dp, overlapped); the
+    expert gradients (the rank's half) are one all-reduce over edp=2 at the step, fully exposed
+    (ExpertGradReducer). Before the fix one all-reduce over dp carried all 51,616 elements (experts that DDP
+    never reduces) and nothing went over edp."""
+    block, layer, rest = _mixtral_elements()
+    dense, experts = 2 * block + rest, 2 * layer
+    c = cand([("ddp", {}), ("expert_parallel", {})], accum=3, dp_replicate=4, ep=2)
+    cols = _by_label(_effects_of(c, mixtral, "ddp"))
+    ar, xr = cols["ddp.all_reduce"], cols["ddp.expert_all_reduce"]
+    assert (ar.view, ar.overlap) == ("dp", "backward") and ar.nbytes * ar.calls == pytest.approx(dense * 4)
+    assert (xr.view, xr.nbytes, xr.calls, xr.overlap) == ("edp", experts / 2 * 4, 1, "none")
+    p = predict(c, mixtral, hw())
+    rec = next(r for r in p.collectives if r["label"] == "ddp.expert_all_reduce")
+    one = 1e-5 + (experts / 2 * 4 - 1) / (1e9 - 1)  # the fit line at the bytes of the rank's half
+    assert rec["group"] == 2 and rec["exposed_s"] == rec["seconds"] == pytest.approx(one)
+    assert p.time["comm_exposed:ddp.expert_all_reduce"] == pytest.approx(rec["seconds"])
+    assert sum(p.time.values()) == pytest.approx(p.step_time_s)
+    assert sum(p.memory.values()) == pytest.approx(p.peak_memory_bytes)
+    # edp = 1: the reducer only divides, nothing communicated for the experts
+    small = _by_label(_effects_of(cand([("ddp", {}), ("expert_parallel", {})], dp_replicate=2, ep=2), mixtral, "ddp"))
+    assert set(small) == {"ddp.all_reduce"} and small["ddp.all_reduce"].nbytes == pytest.approx(dense * 4)
+    # ep = 1: every gradient in DDP's buckets
+    plain = _by_label(_effects_of(cand([("ddp", {})], dp_replicate=4), mixtral, "ddp"))
+    assert set(plain) == {"ddp.all_reduce"} and plain["ddp.all_reduce"].nbytes == pytest.approx((dense + experts) * 4)
+
+
+def test_loom_plan_mixtral_default_options_considers_ep_with_edp_collectives():
+    """Mixtral-8x7B on 64 H100s (8 per node), default options: the ranked rows that fit include ep > 1 plans,
+    and their data-parallel collectives on the experts run over edp = dp / ep with 1/ep of a layer's experts
+    per call (45.1 B / 32 layers / ep elements). Which plan wins is not asserted (the report says)."""
+    from torchloom.search.effects import dtype_bytes
+    from torchloom.search.plan_cli import plan
+
+    report = plan("mixtral-8x7b", gpu="h100", gpus=64, gpus_per_node=8)
+    ep_rows = [r for r in report.rows if r.candidate.dims.ep > 1]
+    assert ep_rows
+    per_layer = report.experts.params / report.experts.layers
+    checked = set()
+    for row in ep_rows:
+        c, p = row.candidate, row.prediction
+        assert sum(p.time.values()) == pytest.approx(p.step_time_s)
+        assert sum(p.memory.values()) == pytest.approx(p.peak_memory_bytes)
+        step = StepShape.of(c)
+        # gathers in the compute dtype; reductions in fsdp's default reduce_dtype float32 under amp
+        rd = 4 if step.compute_dtype != step.param_dtype else dtype_bytes(step.param_dtype)
+        for rec in p.collectives:
+            if rec["label"].startswith("fsdp.expert_all_gather"):
+                want = per_layer / c.dims.ep * dtype_bytes(step.compute_dtype)
+            elif rec["label"] == "fsdp.expert_reduce_scatter":
+                want = per_layer / c.dims.ep * rd
+            elif rec["label"] == "ddp.expert_all_reduce":
+                want = None  # every expert of the rank's stages, one call
+            else:
+                assert rec["view"] != "edp", rec["label"]
+                continue
+            assert (rec["view"], rec["group"]) == ("edp", c.dims.dp // c.dims.ep), rec["label"]
+            if want is not None:
+                assert rec["bytes"] == pytest.approx(want), rec["label"]
+            checked.add(rec["label"].split("_bwd")[0])
+    assert {"fsdp.expert_all_gather", "fsdp.expert_reduce_scatter"} <= checked

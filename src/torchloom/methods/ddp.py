@@ -77,23 +77,39 @@ class DDP(Method):
     def estimate(self, info, dims, hw, step):
         """Gradients all-reduced over ``dp`` once per optimizer step (``no_sync`` while accumulating) in
         ``bucket_cap_mb`` buckets that overlap the backward, except the last; the bucket storage holds the
-        gradients across steps (``gradient_as_bucket_view``: the gradients are views into it, else a copy)."""
-        from ..search.effects import Collective, Effects, dtype_bytes, rank_params
+        gradients across steps (``gradient_as_bucket_view``: the gradients are views into it, else a copy).
+
+        Under expert parallelism (``ep > 1``, a model with experts) DDP holds only the dense parameters
+        (:func:`~torchloom.search.effects.dense_params`): the buckets and their all-reduce over ``dp`` are
+        the dense gradients', and the expert gradients (the rank's ``1/ep``,
+        :func:`~torchloom.search.effects.expert_params`) are summed over ``edp`` by one flat all-reduce per
+        dtype at the step, after the backward (``ExpertGradReducer``): not overlapped, uncompressed (the comm
+        hook is DDP's), none when ``edp == 1``. The reducer's flat copy exists only between the backward and
+        the optimizer step and is not counted."""
+        from ..search.effects import Collective, Effects, dense_params, dtype_bytes, expert_params, rank_params
 
         c = self.config
-        grad_bytes = rank_params(info, dims, trainable=True) * dtype_bytes(step.param_dtype)
+        pd = dtype_bytes(step.param_dtype)
+        experts = getattr(info, "experts", None) is not None and dims.ep > 1
+        held = dense_params if experts else rank_params  # what DDP's buckets hold
+        grad_bytes = held(info, dims, trainable=True) * pd
         e = Effects(self.name, grads_persistent=True)
         if not c.gradient_as_bucket_view:
             e.memory_add["temporary"] = grad_bytes
         wire = grad_bytes
         if c.comm_hook in ("fp16", "bf16"):
-            wire = grad_bytes / 2 if dtype_bytes(step.param_dtype) == 4 else grad_bytes
+            wire = grad_bytes / 2 if pd == 4 else grad_bytes
         elif c.comm_hook == "powersgd":
             e.notes.append("powersgd compression not modelled: priced as an uncompressed all-reduce")
         if dims.dp > 1 and wire > 0:
             n = max(1, math.ceil(grad_bytes / (c.bucket_cap_mb * 2**20)))
             e.collectives.append(Collective("all_reduce", wire / n, "dp", calls=n, overlap="backward",
                                             exposed_calls=1, label="ddp.all_reduce"))
+        if experts:
+            expert_bytes = expert_params(info, dims) * pd
+            if dims.edp > 1 and expert_bytes > 0:
+                e.collectives.append(Collective("all_reduce", expert_bytes, "edp", calls=1, overlap="none",
+                                                label="ddp.expert_all_reduce"))
         return e
 
     def apply(self, ctx) -> None:

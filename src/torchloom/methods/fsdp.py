@@ -90,6 +90,10 @@ class FSDP(Method):
         * ``cpu_offload`` on an accelerator: sharded state in host memory (off the device), the shards
           copied in before each all-gather and the gradients out after each reduce-scatter over the host
           link, the optimizer step on the host. On a CPU device offload moves nothing.
+
+        Under expert parallelism (``ep > 1`` and a model with experts) the dense units are priced as above
+        without the experts, and every experts module is its own unit on the 1-D ``edp`` view (``apply``,
+        :func:`_shard_experts`), see :func:`_expert_units`.
         """
         from ..search.effects import (Collective, Effects, block_params, blocks_per_rank, dtype_bytes,
                                       rank_params)
@@ -103,6 +107,10 @@ class FSDP(Method):
         total = rank_params(info, dims)
         rest = max(total - block * nb, 0.0)
         zero3 = c.reshard_after_forward
+        ex = _expert_units(info, dims)
+        if ex is not None:  # the blocks' units without their experts (those are units of their own)
+            block, total = ex.dense_block, ex.dense
+            rest = max(total - block * nb, 0.0)
         # at the peak (backward starts: all activations alive) ZeRO-3 holds the last block, gathered again
         # for its backward, and the root; ZeRO-2 every block of the rank. The forward's current + prefetched
         # pair and the backward's unsharded block gradient come when fewer activations are alive.
@@ -126,6 +134,8 @@ class FSDP(Method):
             e.collectives.append(Collective("all_reduce", (block * nb + rest) * rd / (nb + 1) / n, "dp_replicate",
                                             calls=nb + 1, overlap="backward", exposed_calls=1,
                                             label="fsdp.all_reduce_replicate"))
+        if ex is not None:
+            _price_expert_units(e, ex, dims, nb, cd, rd, accum, zero3)
         if c.cpu_offload:
             if hw.device_type == "cpu":
                 e.notes.append("cpu_offload on a CPU device: state already in host memory, nothing moves")
@@ -135,6 +145,10 @@ class FSDP(Method):
                 link = hw.sources.get("host_link_bw")
                 bw = float(link) if link else HOST_LINK_BW
                 copies = (accum * (nb + 1) * (2 if zero3 else 1) * (total / (nb + 1)) * cd / n + total * rd / n)
+                if ex is not None:  # the expert units' shards (1/edp) in and their gradients out
+                    for k in e.group_memory_scale["expert"]:
+                        e.group_memory_scale["expert"][k] = 0.0
+                    copies += (accum * (2 if zero3 else 1) * cd + rd) * ex.elements / dims.edp
                 e.time_add["host_copies"] = copies / bw
                 e.notes.append(f"cpu_offload: host link {bw / 1e9:.0f} GB/s; optimizer step runs on the host")
         if not n > 1 and r <= 1:
@@ -221,6 +235,65 @@ _FSDP_OPS_PER_UNIT = 12.0
 #: host<->device bandwidth for CPU offload when the hardware does not give one: PCIe Gen4 x16 achieved
 #: (~25 GB/s of the 32 GB/s raw; PCI-SIG PCIe 4.0 specification), bytes/s
 HOST_LINK_BW = 25e9
+
+
+@dataclass
+class _ExpertUnits:
+    """The cost model's view of the experts under expert parallelism, per rank (elements; see
+    :func:`_expert_units`)."""
+
+    layers: float  # experts units (MoE layers) on the most loaded pipeline rank
+    elements: float  # expert elements the rank holds before FSDP (1/ep of its layers' experts)
+    dense: float  # the rank's other elements (the dense units: blocks without experts, the root)
+    dense_block: float  # mean elements of one block's unit without its experts
+
+
+def _expert_units(info, dims) -> _ExpertUnits | None:
+    """The experts as FSDP units of their own, or None when FSDP treats them as dense: a model without
+    experts, or ``ep == 1`` (``expert_parallel`` then records no expert group, so the experts stay in their
+    blocks' units on the dense mesh, as the estimate prices them without this)."""
+    from ..search.effects import block_params, dense_params, expert_params, moe_layers_per_rank
+
+    ex = getattr(info, "experts", None)
+    if ex is None or dims.ep <= 1:
+        return None
+    tp = max(dims.tp, 1)
+    # the experts' share of the mean block (the experts modules live inside the blocks)
+    dense_block = max(block_params(info) - ex.params / max(info.num_blocks, 1), 0.0) / tp
+    return _ExpertUnits(moe_layers_per_rank(info, dims), expert_params(info, dims), dense_params(info, dims),
+                        dense_block)
+
+
+def _price_expert_units(e, ex: _ExpertUnits, dims, nb: int, cd: int, rd: int, accum: int,
+                        zero3: bool) -> None:
+    """Add the experts units to FSDP's ``Effects`` ``e``: each is sharded over the whole ``edp`` (the 1-D
+    ``mesh["edp"]``, whatever ``dp_replicate``/``dp_shard`` are), so its parameters, gradients and Adam state
+    are ``1/edp`` of the rank's ``1/ep`` (``group_memory_scale``, not the dense ``1/dp_shard``); per micro-
+    batch one all-gather per unit in forward (ZeRO-3: again in backward) and per step one reduce-scatter per
+    unit, on ``edp``, each prefetched/overlapped behind the dense units of the same pass (the first and last
+    collective of a pass are the root's, already counted exposed); none when ``edp == 1``. Transient: ZeRO-3
+    the last block's experts gathered with it, ZeRO-2 all of the rank's. The extra units' hooks add to
+    ``ops_add`` per block instance."""
+    from ..search.effects import GROUPED, Collective
+
+    edp = dims.edp
+    e.group_memory_scale["expert"] = {k: 1.0 / edp for k in GROUPED}
+    e.grads_unsharded_accum += ex.elements * rd
+    layers = ex.layers
+    unit = ex.elements / layers if layers else 0.0
+    e.memory_add["temporary"] += (min(layers, 1) * unit if zero3 else ex.elements) * cd
+    if nb:  # the experts units' hooks and copies, spread over the rank's block instances
+        e.ops_add += _FSDP_OPS_PER_UNIT * layers / nb
+    if edp <= 1 or unit <= 0:
+        e.notes.append("experts units on edp=1: no communication for the experts")
+        return
+    e.collectives.append(Collective("all_gather", unit * cd, "edp", calls=accum * layers, overlap="forward",
+                                    label="fsdp.expert_all_gather"))
+    if zero3:
+        e.collectives.append(Collective("all_gather", unit * cd, "edp", calls=accum * layers, overlap="backward",
+                                        label="fsdp.expert_all_gather_bwd"))
+    e.collectives.append(Collective("reduce_scatter", unit * rd, "edp", calls=layers, overlap="backward",
+                                    label="fsdp.expert_reduce_scatter"))
 
 
 def _shard_experts(mod, ctx, c: FSDPConfig, kw: dict) -> None:
