@@ -69,17 +69,23 @@ class ExpertParallel(Method):
 
         return estimate_expert_parallel(self.config, info, dims, hw, step)
 
-    def experts_modules(self, model, ep: int) -> list[tuple[str, object]]:
-        """``(qualname, module)`` of the experts modules to shard in ``model``.
+    def experts_modules(self, model, ep: int, required: bool = True) -> list[tuple[str, object]]:
+        """``(qualname, module)`` of the experts modules to shard in ``model`` (a model or one pipeline stage).
 
         Raises:
-            StrategyError: none found with ``ep > 1``; a ``num_experts`` not divisible by ``ep``; a class in
-                ``experts_cls`` absent or not following the protocol.
+            StrategyError: none found with ``ep > 1`` and ``required``; a ``num_experts`` not divisible by
+                ``ep``; a class in ``experts_cls`` not following the protocol, or (``required``) absent.
         """
-        from ..moe.protocol import find_experts_modules
+        from ..moe.protocol import find_experts_modules, is_experts_module
 
-        found = find_experts_modules(model, self.config.experts_cls)
-        if not found and ep > 1:
+        if required or self.config.experts_cls is None:
+            found = find_experts_modules(model, self.config.experts_cls)
+        else:  # a pipeline stage may hold none of the named classes
+            names = set(self.config.experts_cls)
+            found = [(q, m) for q, m in model.named_modules() if type(m).__name__ in names]
+            if any(not is_experts_module(m) for _, m in found):
+                found = find_experts_modules(model, self.config.experts_cls)  # raises the protocol error
+        if not found and ep > 1 and required:
             raise StrategyError(
                 f"expert_parallel with ep={ep}: the model ({type(model).__name__}) has no experts module (an int "
                 "`num_experts` and fused parameters whose dim 0 is num_experts, forward(hidden, top_k_index, "
@@ -103,9 +109,9 @@ class ExpertParallel(Method):
             ctx.note("expert_parallel: ep=1, experts stay whole on every rank (nothing changed)")
             return
         parts = ctx.model_parts
-        per_part = [self.experts_modules(p, ep) for p in parts]  # check every part before changing any
-        if not any(per_part):  # a pipeline stage may hold no MoE layer, but some stage must
-            self.experts_modules(ctx.model, ep)
+        per_part = [self.experts_modules(p, ep, required=False) for p in parts]  # check all before changing any
+        if not _any_rank_has_experts(ctx, sum(map(len, per_part))):  # a pipeline stage may hold none
+            self.experts_modules(parts[0], ep)  # raises the "no experts module" error on every rank
         ctx.mesh["sparse"]  # collective: every rank builds the expert views here, at the same point
         n, classes = 0, set()
         for found in per_part:
@@ -118,6 +124,19 @@ class ExpertParallel(Method):
         ctx.note(f"expert_parallel: {n} experts modules of {sorted(classes)} sharded over ep={ep} "
                  f"({'/'.join(map(str, sorted(e)))} experts, {'/'.join(str(x // ep) for x in sorted(e))} per rank), "
                  f"all-to-all dispatch; expert gradients reduced over edp={ctx.mesh.dims.edp}")
+
+
+def _any_rank_has_experts(ctx, local: int) -> bool:
+    """Whether any rank's model parts hold an experts module. Under pipelining a stage may have none (dense
+    first layers) while others do; the count is summed over the world (a collective, as ``apply`` is)."""
+    if ctx.parts is None:
+        return local > 0
+    import torch
+    import torch.distributed as dist
+
+    n = torch.tensor([float(local)], device=ctx.device)
+    dist.all_reduce(n)
+    return n.item() > 0
 
 
 def _check_tp_plan(model, tp_config, found) -> None:
