@@ -117,6 +117,7 @@ FOUR_RANK = {
     "fsdp": dict(strategy=_ep(2, "fsdp", dp=4), family="mixtral", micro=1),
     "fsdp_ac_qwen2": dict(strategy=_ep(2, "fsdp", "checkpoint", dp=4), family="qwen2_moe", micro=1),
     "zero2_meta": dict(strategy=_ep(2, "zero2", dp=4), family="mixtral", micro=2, meta=True),
+    "hsdp_2x2": dict(strategy=_ep(2, "fsdp", dp_replicate=2, dp_shard=2), family="qwen3_moe", micro=2),
 }
 #: attention split over tp, the experts modules left whole (replicated over tp, split over ep)
 ATTENTION_ONLY_PLAN = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
