@@ -11,8 +11,9 @@
   means "no expert" (a token dropped by the capacity limit) and contributes nothing.
 
 Expert parallelism keeps the module's own ``forward`` for the math: it calls it on the tokens received by
-this rank with the local expert shard swapped in (``E_local = E / ep`` rows of each parameter) and local
-expert indices in ``[0, E_local)``.
+this rank with the local expert shard swapped in (``E_local = E / ep`` rows of each parameter), local
+expert indices in ``[0, E_local)`` and ``num_experts`` set to ``E_local`` for the duration of the call (HF's
+``grouped_mm`` implementation sizes its groups from it).
 """
 from __future__ import annotations
 
