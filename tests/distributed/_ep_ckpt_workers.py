@@ -1,17 +1,21 @@
 """Rank functions for tests/distributed/test_expert_checkpoint.py: checkpoints of models whose experts are
 sharded over ``ep`` (imported by qualified name in spawned ranks).
 
-The expert-parallel state is built by hand here (independent of ``expert_parallel``'s dispatch, so these
-tests see only the checkpoint code): a tiny Mixtral whose fused experts' parameters are DTensors
+Two ways to build the expert-parallel state. By hand (independent of ``expert_parallel``'s dispatch, so
+those runs see only the checkpoint code): a tiny Mixtral whose fused experts' parameters are DTensors
 ``Shard(0)`` on ``mesh["ep"]``, as the ``ParamGroups`` contract describes, with
 
 * ``fsdp``: the experts module its own FSDP unit over ``mesh["edp"]`` (placements ``(_StridedShard(0),
-  Shard(0))`` on the sparse mesh), gradient divide factor ``dp``; decoder layers and the root over ``dp``;
+  Shard(0))`` on the sparse mesh), gradients divided by ``dp`` (FSDP's ``edp``, times ``1/ep`` before the
+  step: gloo has no PREMUL_SUM for a divide factor); decoder layers and the root over ``dp``;
 * ``ddp``: the experts left out of DDP (over ``dp``) and their gradients summed over ``edp`` and divided by
   ``dp`` before the step;
 * ``plain``: one process, no process group (ep = 1).
 
-Tokens reach the experts by an all-gather over ``ep`` (each rank runs its local experts on every ep peer's
+And ``auto-fsdp`` / ``auto-ddp``: ``auto_accelerate`` with ``expert_parallel`` (its all-to-all dispatch)
+and ``fsdp`` / ``ddp``, trained through ``TrainStep``.
+
+By hand, tokens reach the experts by an all-gather over ``ep`` (each rank runs its local experts on every ep peer's
 tokens; the partial outputs are summed back to their owners): slower than an all-to-all but the same
 mathematics, so the gradient rules of ``ParamGroups`` (expert grads summed over edp, divided by dp) hold.
 
@@ -127,7 +131,6 @@ def _dispatch_group(ep_mesh):
     world = dist.get_world_size()
     ep = ep_mesh.size()
     mine = ep_mesh.mesh.flatten().tolist()
-    groups = [None] * world
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     made = {}
@@ -136,7 +139,6 @@ def _dispatch_group(ep_mesh):
         if key not in made:
             made[key] = dist.new_group(list(key))
     assert all(len(k) == ep for k in made), made
-    del groups
     return made[tuple(sorted(mine))]
 
 
@@ -198,7 +200,8 @@ class Job:
 
                 if ep > 1:
                     self.expert_params = [p for _q, m in experts_modules(model) for p in m.parameters(recurse=False)]
-                    ignore = [f"{q}.{n}" for q, m in experts_modules(model) for n, _ in m.named_parameters(recurse=False)]
+                    ignore = [f"{q}.{n}" for q, m in experts_modules(model)
+                              for n, _ in m.named_parameters(recurse=False)]
                     DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
                 model = DDP(model, process_group=self.mesh["dp"].get_group())
         self.model = model
@@ -286,7 +289,8 @@ def _flash(root: Path, job: Job):
 
 def save_job(tmp: str, name: str, layout: str, ep: int, optim: str, tp: int = 1) -> dict:
     """The uninterrupted run: STEPS steps, saving after SAVE_AT to both tiers (disk: ``<tmp>/<name>/disk``;
-    flash, persisted by its savers: ``<tmp>/<name>/flash``, snapshot kept in ``<tmp>/<name>/shm``)."""
+    flash, persisted by its savers: ``<tmp>/<name>/flash``, snapshot kept in ``<tmp>/<name>/shm``) and
+    exporting the live model (``<tmp>/<name>/live.safetensors``)."""
     from torchloom import checkpoint
 
     root = Path(tmp) / name
@@ -299,6 +303,7 @@ def save_job(tmp: str, name: str, layout: str, ep: int, optim: str, tp: int = 1)
     fc.save(SAVE_AT, persist=True)
     fc.finalize(unlink=False)  # the snapshot stays for the in-memory resumes
     out["saved"], out["saved_optim"] = job.full(), job.optim_full()
+    checkpoint.export_safetensors(job.model, root / "live.safetensors")  # gathered from the live shards
     for s in range(SAVE_AT + 1, STEPS + 1):
         out["losses"].append(job.step(s))
     out["final"] = job.full()

@@ -129,7 +129,8 @@ def _mesh(layout: dict, device_type: str) -> Any:
     if root is not None:
         _MESHES[key] = _root_mesh(root, device_type)[tuple(layout["dims"])]
     else:  # old unnamed record: only correct when every rank holds the same sub-mesh
-        _MESHES[key] = DeviceMesh(device_type, torch.tensor(layout["mesh"]), mesh_dim_names=tuple(layout["dims"]) or None)
+        _MESHES[key] = DeviceMesh(device_type, torch.tensor(layout["mesh"]),
+                                  mesh_dim_names=tuple(layout["dims"]) or None)
     return _MESHES[key]
 
 
