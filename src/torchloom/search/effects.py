@@ -23,8 +23,9 @@ the same rules, so a user-registered method that implements ``estimate`` compose
   except where ``group_memory_scale[group][cat]`` gives the group its own multiplier (expert parallelism:
   experts ``1/ep``). A data-parallel method's scale ``1/d`` (sharding over ``d`` data-parallel ranks) that
   names no expert entry shards the expert share over only ``d / gcd(ep, d)`` ranks: the ``ep`` ranks inside
-  its group already hold different experts (:func:`expert_shard_scale`), so FSDP over ``dp_shard`` leaves
-  ``experts / (ep x edp_shard)`` per rank and DDP ``experts / ep``, never ``experts / (ep x dp_shard)``.
+  its group already hold different experts (:func:`expert_shard_scale`), never ``experts / (ep x dp_shard)``.
+  FSDP names its own expert entry (its experts units shard over the whole ``edp``: ``experts / (ep x edp)``);
+  DDP leaves ``experts / ep``.
 """
 from __future__ import annotations
 

@@ -31,8 +31,8 @@ def estimate_expert_parallel(config, info, dims, hw, step) -> Effects | None:
     """Expert parallelism over ``ep`` ranks, per rank per optimizer step:
 
     * expert parameters, gradients and Adam state ``1/ep`` (``group_memory_scale["expert"]``); the data-
-      parallel method then shards that share over the ``edp`` part of its group only (FSDP over
-      ``dp_shard``: ``experts / (ep x edp_shard)``; DDP: ``experts / ep``), dense parameters as before;
+      parallel method then shards that share (FSDP: its experts units on the whole ``edp``,
+      ``experts / (ep x edp)``; DDP: ``experts / ep``), dense parameters as before;
     * per MoE layer per micro-batch, on the ``ep`` view (across nodes when the ``ep`` group spans nodes):
       2 all-to-alls in forward (dispatch, combine) and 2 in backward (their gradients), each
       :func:`routed_bytes`, on the critical path (the experts need the dispatched tokens; the next layer
