@@ -102,3 +102,36 @@ def pp_reference(aux_factor_one: bool = False) -> dict:
         for half in (b[:2], b[2:]):
             ts(half)
     return {k: v.detach().clone() for k, v in m.named_parameters()}
+
+
+class _Out:
+    """A plain output class torch.utils._pytree cannot look into."""
+
+
+class HiddenOutputNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        from torchloom.moe import MoE, MoEConfig
+
+        self.embed = nn.Embedding(V, D)
+        self.moe = MoE(MoEConfig(dim=D, hidden_dim=24, num_experts=4, top_k=2))
+        self.head = nn.Linear(D, V, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        out = _Out()
+        out.loss = F.cross_entropy(self.head(h + self.moe(h)).flatten(0, 1), tokens.flatten())
+        return out
+
+
+def hidden_output_worker() -> str:
+    import torchloom
+
+    torch.manual_seed(0)
+    res = torchloom.auto_accelerate(HiddenOutputNet(), torch.optim.SGD, None, lambda b, o: o.loss,
+                                    strategy=["fsdp"], optim_args={"lr": 0.1})
+    try:
+        res.train_step(torch.randint(0, V, (2, 6)))
+    except TypeError as e:
+        return str(e)
+    return "no error"

@@ -43,3 +43,10 @@ def test_moe_layer_pipeline_parallel():
     assert params.keys() == ref.keys()
     d = _diff(params, ref)
     assert d <= ATOL, f"pipeline: params differ from the reference by {d:.3g}"
+
+
+def test_fsdp_output_hidden_from_pytree_is_a_clear_error():
+    """Without the check the first backward failed with "setStorage: sizes [32, 16] ... out of bounds for
+    storage of size 0" (FSDP2 could not hook the pre-backward of an output it cannot see into)."""
+    msg = run_ranks(W.hidden_output_worker, 1, timeout=300)[0]
+    assert "FSDP cannot see" in msg and "ModelOutput" in msg, msg

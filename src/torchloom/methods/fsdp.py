@@ -210,6 +210,7 @@ class FSDP(Method):
                 root_kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=ctx.autocast_dtype, output_dtype=torch.float32,
                                                             reduce_dtype=getattr(torch, c.reduce_dtype))
             fully_shard(model, reshard_after_forward=c.reshard_after_forward, **root_kw)
+            model.register_forward_hook(_check_output_reaches_backward)
             if ctx.on_meta:
                 materialize_meta_model(model, ctx.device if not c.cpu_offload else torch.device("cpu"))
         ctx.on_meta = False
@@ -315,6 +316,27 @@ def _shard_experts(mod, ctx, c: FSDPConfig, kw: dict) -> None:
     if dist.get_backend(ctx.mesh.group("edp")) == "gloo":
         # a factor other than the group size is NCCL's PREMUL_SUM, which gloo lacks: sum, then divide
         mod.set_force_sum_reduction_for_comms(True)
+
+
+def _check_output_reaches_backward(module, _args, output) -> None:
+    """FSDP2 finds the tensors of the root's output with ``torch.utils._pytree`` to hook its pre-backward
+    (re-gathering the parameters it freed after forward). An output object pytree cannot look into (a plain
+    class with a ``.loss`` attribute) hides them: the backward then reads freed storage and fails with
+    "setStorage: sizes ... out of bounds for storage of size 0". Say so at the forward instead."""
+    if not torch.is_grad_enabled():
+        return
+    from torch.utils._pytree import tree_leaves
+
+    leaves = tree_leaves(output)
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+        return
+    hidden = [k for k, v in vars(output).items() if isinstance(v, torch.Tensor)] if hasattr(output, "__dict__") else []
+    if hidden:
+        raise TypeError(
+            f"fsdp: the model returned a {type(output).__name__} whose tensors ({', '.join(hidden)}) FSDP cannot see "
+            "(torch.utils._pytree does not look inside that class), so its backward would read freed parameters. "
+            "Return a tensor, a tuple/dict of tensors, a dataclass registered with torch.utils._pytree, or a Hugging "
+            "Face ModelOutput.")
 
 
 def _expert_divider(ctx, modules) -> None:
