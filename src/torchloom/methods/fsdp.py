@@ -1,6 +1,7 @@
 """`fsdp`: fully sharded data parallel with FSDP2 ``fully_shard`` (ZeRO-3; ZeRO-2 via ``zero2``)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -297,11 +298,28 @@ def _price_expert_units(e, ex: _ExpertUnits, dims, nb: int, cd: int, rd: int, ac
                                     label="fsdp.expert_reduce_scatter"))
 
 
+class _QuietStridedGather(logging.Filter):
+    """Drops torch's "N sequential all_gather operations will be performed. This is suboptimal" warning:
+    gathering an FSDP-sharded expert parameter ((_StridedShard over edp, Shard over ep): checkpoints, export,
+    clipping's full norm) needs one all-gather per mesh dimension by construction, and torch would print the
+    hint on every rank for every such tensor."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential all_gather operations" not in record.getMessage()
+
+
+def _quiet_strided_gather_warning() -> None:
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    if not any(isinstance(f, _QuietStridedGather) for f in logger.filters):
+        logger.addFilter(_QuietStridedGather())
+
+
 def _shard_experts(mod, ctx, c: FSDPConfig, kw: dict) -> None:
     """One FSDP unit on ``mesh["edp"]`` for an experts module (its parameters are ``Shard(0)`` on
     ``mesh["ep"]``, so FSDP's placements become ``(Shard(0) or Shard(1) over edp, Shard(0) over ep)`` on the
     ``(edp, ep)`` mesh); FSDP sums its gradients over edp and divides by ``dp``."""
     dims = ctx.mesh.dims
+    _quiet_strided_gather_warning()
     experts = int(getattr(mod, "num_experts", 0) or 0)
     dim1 = dims.edp > 1 and dims.edp * dims.ep > experts and all(p.dim() > 1 for p in mod.parameters(recurse=False))
     fully_shard(mod, reshard_after_forward=c.reshard_after_forward,

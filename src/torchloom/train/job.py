@@ -303,7 +303,8 @@ class Job:
                         f"token; aux loss weight {mc.aux_loss_weight}; expert parallel ep={res.mesh.dims.ep})")
             self.expert_load = track_expert_load(res.model)  # per-expert token counts for the metrics
             self._expert_held = torch.zeros_like(self.expert_load.counts(), dtype=torch.int64).cpu()
-        self.log(f"model: {type(model).__name__}, {self.n_params / 1e6:.2f}M parameters{moe_note} "
+        name = type(model).__name__  # fully_shard swaps the class for FSDP<Name>: log the model's own name
+        self.log(f"model: {name[4:] if name.startswith('FSDP') else name}, {self.n_params / 1e6:.2f}M parameters{moe_note} "
                  f"({self.n_matmul / 1e6:.2f}M in matmuls per token), {self.flops_per_token / 1e6:.1f} MFLOP/token; "
                  f"global batch {res.global_batch_size} x {seq} tokens = micro {res.micro_batch_size} x dp "
                  f"{res.mesh.dp_size} x accum {res.grad_accum_steps}")
