@@ -13,11 +13,21 @@ Fully automatic mode (no ``--load_strategy``: ``load_strategy=None``) runs torch
 the search ran its trials, that the strategy it chose is one of the measured ones, and that the example
 then trained all its steps. ``TORCHLOOM_CACHE_DIR`` points at a temporary directory so the machine's
 calibration and plan caches are not read or written.
+
+The one-process cases run in a fresh interpreter (:func:`_fresh`): the example's DataLoader forks its workers
+(``fork``, Linux's default), and forking the long-lived pytest process, which holds a gloo group's threads and
+the heap of every earlier test, crashed a worker with a segmentation fault in the child's garbage collection
+(in filelock's after-fork hook) in a full-suite run, and left its sibling waiting forever.
 """
 import contextlib
 import io
+import json
 import logging
+import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -81,6 +91,22 @@ def _assert_searched(lines):
     assert label in trials and "(measured)" in chosen[0], (label, trials, chosen)
 
 
+_ROOT = Path(__file__).resolve().parents[2]
+_MARK = "@@fresh-result@@"
+
+
+def _fresh(name: str, *args):
+    """``name(*args)`` (a function of this module, JSON arguments and result) in a new interpreter."""
+    code = (f"import json, sys; from tests.compat.test_atorch_examples import {name} as f; "
+            f"out = f(*json.loads(sys.argv[1])); print({_MARK!r} + json.dumps(out))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(list(args))], cwd=_ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{name} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)][-1]
+    return json.loads(line[len(_MARK):])
+
+
 def _steps(printed):
     return sum(1 for line in printed.splitlines() if line.startswith("[step="))
 
@@ -92,7 +118,7 @@ def _assert_trained(printed, steps):
 
 def test_toy_fully_automatic(tmp_path):
     """train_toy_fully_automatic_entry.sh (`train.py --model_type toy`): load_strategy=None searches."""
-    printed, lines = _run_searched(["--model_type", "toy", *SHRINK], tmp_path)
+    printed, lines = _fresh("_run_searched", ["--model_type", "toy", *SHRINK], str(tmp_path))
     _assert_searched(lines)
     _assert_trained(printed, 16 // 8)  # datasize / batchsize (8), one epoch
 
@@ -100,8 +126,8 @@ def test_toy_fully_automatic(tmp_path):
 def test_toy_semi_automatic_one_process():
     """README's toy example with --load_strategy, --use_fsdp and --use_checkpointing in one process: fsdp is
     a distributed-only method and is dropped (as ATorch does); checkpoint wraps nn.Linear."""
-    printed = _run_example(["--model_type", "toy", "--load_strategy", "--use_fsdp", "--use_checkpointing",
-                            "--optim_grouped_params", *SHRINK])
+    printed = _fresh("_run_example", ["--model_type", "toy", "--load_strategy", "--use_fsdp", "--use_checkpointing",
+                                      "--optim_grouped_params", *SHRINK])
     _assert_trained(printed, 16 // 8)  # datasize / batchsize (8, the example's default), one epoch
 
 
