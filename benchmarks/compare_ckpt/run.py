@@ -1,0 +1,143 @@
+"""Checkpoint stall benchmark: torchloom flash vs DCP async (thread, process) vs sync DCP vs DLRover.
+
+    python benchmarks/compare_ckpt/run.py [--gb 1.0] [--rounds 5] [--smoke] [--out benchmarks/results]
+    python -m benchmarks compare-ckpt [same options]     (through the benchmarks dispatcher)
+
+On 2 gloo ranks (DDP, every rank holds the full ~``--gb`` GB of fp32 params + AdamW moments) it measures,
+side by side in one run: the seconds each ``save()`` blocks the training loop (max over ranks), the step
+time of the training steps while the checkpoint is written in the background, the seconds until the
+checkpoint is durable, and, per contender, the time to restore after a SIGKILL of the job (restart +
+load of the newest complete checkpoint). Writes ``compare_ckpt.{json,md,png}`` under ``--out``.
+``--smoke``: ~20 MB state, 1 round, to a temporary directory unless ``--out`` is given (< 60 s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.compare_ckpt import launch, report  # noqa: E402
+from benchmarks.compare_ckpt.contenders import NAMES  # noqa: E402
+
+
+def _common(a) -> list[str]:
+    return ["--gb", str(a.gb), "--width", str(a.width)]
+
+
+def run_stall(a, work: Path, logs: Path) -> dict:
+    out = work / "stall.json"
+    args = ["--phase", "stall", "--contenders", ",".join(a.contenders), *_common(a),
+            "--rounds", str(a.rounds), "--post-steps", str(a.post_steps), "--root", str(work / "stall"),
+            "--out", str(out)]
+    t = time.time()
+    codes = launch.wait(launch.start(args, a.nproc, logs, "stall", a.threads), a.timeout)
+    res = json.loads(out.read_text()) if out.exists() else {"saves": [], "errors": {}}
+    res["exit_codes"], res["wall_s"] = codes, time.time() - t
+    if codes != [0] * a.nproc:
+        res["launch_error"] = f"exit codes {codes}\n" + launch.tail(logs, "stall", a.nproc)
+    return res
+
+
+def run_restore(a, name: str, rnd: int, work: Path, logs: Path) -> dict:
+    """Victim run (killed right after its save of step 2 returned), then a restart that loads."""
+    tag = f"{name.replace(' ', '_')}.r{rnd}"
+    root, vout, rout = work / f"restore_{tag}", work / f"victim_{tag}.json", work / f"restore_{tag}.json"
+    base = ["--contenders", name, *_common(a), "--root", str(root)]
+    procs = launch.start(["--phase", "victim", *base, "--out", str(vout)], a.nproc, logs, f"victim.{tag}",
+                         a.threads)
+    end = time.time() + a.timeout
+    ready = [Path(f"{vout}.ready{r}") for r in range(a.nproc)]
+    while not all(p.exists() for p in ready) and time.time() < end and all(p.poll() is None for p in procs):
+        time.sleep(0.01)
+    ok = all(p.exists() for p in ready)
+    t_kill = time.time()
+    launch.kill(procs)
+    if not ok:
+        return {"contender": name, "round": rnd,
+                "error": "victim run failed before its second save returned\n" +
+                launch.tail(logs, f"victim.{tag}", a.nproc)}
+    victim = json.loads(vout.read_text())
+    time.sleep(a.restart_delay)
+    codes = launch.wait(launch.start(["--phase", "restore", *base, "--out", str(rout)], a.nproc, logs,
+                                     f"restore.{tag}", a.threads), a.timeout)
+    res = {"contender": name, "round": rnd, "kill_after_save_s": t_kill, "victim": victim,
+           "exit_codes": codes}
+    if rout.exists():
+        res.update(json.loads(rout.read_text()))
+    if codes != [0] * a.nproc or not rout.exists():
+        res["error"] = f"restore run failed: exit codes {codes}\n" + launch.tail(logs, f"restore.{tag}", a.nproc)
+    logtxt = "".join((logs / f"restore.{tag}.rank{r}.log").read_text() for r in range(a.nproc))
+    res["log_says_memory"] = "from memory" in logtxt or "from the CPU memory" in logtxt
+    shutil.rmtree(root, ignore_errors=True)
+    return res
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="compare-ckpt", description=__doc__.splitlines()[0])
+    ap.add_argument("--gb", type=float, default=1.0, help="state per rank, GB (1e9 bytes)")
+    ap.add_argument("--width", type=int, default=4096, help="layer width (square Linear layers)")
+    ap.add_argument("--rounds", type=int, default=5, help="recorded saves per contender (plus one first)")
+    ap.add_argument("--restore-rounds", type=int, default=2, help="kill + restore runs per contender")
+    ap.add_argument("--post-steps", type=int, default=2, help="training steps timed after each save")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    ap.add_argument("--contenders", default=",".join(NAMES), help="comma-separated, from: " + ", ".join(NAMES))
+    ap.add_argument("--restore-contenders", default=None,
+                    help="comma-separated contenders for the kill+restore runs (default: all; --smoke: the first)")
+    ap.add_argument("--restart-delay", type=float, default=0.0, help="seconds between kill and restart")
+    ap.add_argument("--timeout", type=float, default=900.0, help="per launch, seconds")
+    ap.add_argument("--work", default=None, help="checkpoint directory (default: a temporary one)")
+    ap.add_argument("--out", default=None, help="where compare_ckpt.{json,md,png} go "
+                    "(default: benchmarks/results; --smoke: a temporary directory)")
+    ap.add_argument("--smoke", action="store_true", help="~20 MB state, 1 round, 1 restore round")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.gb, a.width, a.rounds, a.restore_rounds, a.post_steps = 0.02, 512, 1, 1, 1
+        a.timeout = min(a.timeout, 120.0)
+    a.contenders = [c.strip() for c in a.contenders.split(",") if c.strip()]
+    rc = a.restore_contenders
+    a.restore_contenders = ([c.strip() for c in rc.split(",") if c.strip()] if rc else
+                            a.contenders[:1] if a.smoke else list(a.contenders))
+    bad = [c for c in a.contenders + a.restore_contenders if c not in NAMES]
+    if bad:
+        ap.error(f"unknown contenders {bad}; choose from {list(NAMES)}")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    out = Path(a.out) if a.out else (Path(tempfile.mkdtemp(prefix="compare_ckpt_smoke_")) if a.smoke
+                                     else Path(__file__).resolve().parents[1] / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(a.work or tempfile.mkdtemp(prefix="compare_ckpt_work_"))
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    stall = run_stall(a, work, logs)
+    print(f"stall phase: {len(stall['saves'])} saves in {stall['wall_s']:.0f} s; errors: "
+          f"{sorted(stall['errors'])}", flush=True)
+    restores = []
+    for rnd in range(a.restore_rounds):
+        order = a.restore_contenders if rnd % 2 == 0 else a.restore_contenders[::-1]
+        for name in order:
+            r = run_restore(a, name, rnd, work, logs)
+            print(f"restore {name} round {rnd}: " + ("ERROR" if "error" in r else "ok"), flush=True)
+            restores.append(r)
+    result = report.assemble(a, stall, restores, time.time() - t0, work)
+    paths = report.write(result, out)
+    print(report.markdown(result))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    if not a.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
