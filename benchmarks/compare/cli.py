@@ -8,7 +8,7 @@ import shlex
 import sys
 
 DEFAULT = ["torch_native:torch_ddp", "loom:loom_ddp", "accelerate_:accel_ddp", "fabric:fabric_ddp",
-           "deepspeed_:ds_zero1", "deepspeed_:ds_zero2", "torch_native:torch_fsdp2_zero2", "loom:loom_zero2",
+           "torch_native:torch_ddp_zero1", "loom:loom_zero1", "deepspeed_:ds_zero1", "deepspeed_:ds_zero2", "torch_native:torch_fsdp2_zero2", "loom:loom_zero2",
            "torch_native:torch_fsdp2_zero3", "loom:loom_zero3", "accelerate_:accel_fsdp2_zero3",
            "deepspeed_:ds_zero3", "fabric:fabric_fsdp", "fabric:fabric_fsdp2",
            "torch_native:torch_fsdp2_zero3_ac_bf16", "loom:loom_zero3_ac_bf16",

@@ -57,7 +57,7 @@ def _fabric(kind: str):
 
         inner = getattr(opt, "optimizer", opt)
         inner = getattr(inner, "_optimizer", inner)
-        wrapped = getattr(model, "module", model)
+        wrapped = getattr(model, "_forward_module", model)  # what the strategy built (DDP, FSDP) inside Fabric's shim
         units = sum(1 for m in model.modules() if type(m).__name__.startswith("FSDP")
                     or type(m).__name__ == "FullyShardedDataParallel")
         notes = [f"strategy={type(fabric.strategy).__name__}, cluster env="

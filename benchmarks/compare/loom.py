@@ -1,6 +1,6 @@
 """torchloom ``auto_accelerate`` with the strategies of the hand-written contenders, plus ``strategy="auto"``:
 
-- ``loom_ddp``: ``["ddp"]``; ``loom_zero2`` / ``loom_zero3``: ``["zero2"]`` / ``["zero3"]`` (FSDP2 underneath);
+- ``loom_ddp``: ``["ddp"]``; ``loom_zero1``: ``["zero1"]``; ``loom_zero2`` / ``loom_zero3``: ``["zero2"]`` / ``["zero3"]`` (FSDP2 underneath);
 - ``loom_zero3_ac_bf16``: ``["zero3", "checkpoint", ("amp", {"dtype": "bfloat16"})]``;
 - ``loom_auto``: ``strategy="auto"`` (the strategy search picks; its time is setup, not step time).
 
@@ -32,12 +32,14 @@ def _loom(strategy, search=None):
         names = [m.name for m in res.strategy.methods] if hasattr(res.strategy, "methods") else str(res.strategy)
         wrapper = type(res.model).__name__ + (f" ({units} FSDP units)" if units else "")
         notes = [f"strategy: {names}", f"world (mesh): {res.mesh.dims}"] + list(res.notes)
-        return Prepared(step, res.model, res.optimizer, int(torch.distributed.get_world_size()), wrapper, notes)
+        inner = getattr(res.optimizer, "optim", res.optimizer)  # zero1 keeps this rank's shard in .optim
+        return Prepared(step, res.model, inner, int(torch.distributed.get_world_size()), wrapper, notes)
     return setup
 
 
 CONTENDERS = {
     "loom_ddp": Contender(_loom(["ddp"]), "ddp", sharded=False, wrapper="DistributedDataParallel"),
+    "loom_zero1": Contender(_loom(["zero1"]), "zero1", sharded=False, wrapper="DistributedDataParallel"),
     "loom_zero3": Contender(_loom(["zero3"]), "zero3", sharded=True, wrapper="FSDP"),
     "loom_zero2": Contender(_loom(["zero2"]), "zero2", sharded=True, wrapper="FSDP"),
     "loom_zero3_ac_bf16": Contender(_loom(["zero3", "checkpoint", ("amp", {"dtype": "bfloat16"})]), "zero3+ac+bf16",

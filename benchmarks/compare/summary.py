@@ -108,7 +108,7 @@ def loss_checks(rows: list[dict], ref: str = "torch_ddp") -> None:
                                f"same training")
 
 
-PAIRS = [("ddp", "torch_ddp", "loom_ddp"), ("zero3", "torch_fsdp2_zero3", "loom_zero3"),
+PAIRS = [("ddp", "torch_ddp", "loom_ddp"), ("zero1", "torch_ddp_zero1", "loom_zero1"), ("zero3", "torch_fsdp2_zero3", "loom_zero3"),
          ("zero2", "torch_fsdp2_zero2", "loom_zero2"),
          ("zero3+ac+bf16", "torch_fsdp2_zero3_ac_bf16", "loom_zero3_ac_bf16")]
 

@@ -1,6 +1,7 @@
 """Hand-written PyTorch, the way its docs and tutorials teach it (no torchloom import):
 
 - ``torch_ddp``: ``DistributedDataParallel`` (DDP tutorial), fp32.
+- ``torch_ddp_zero1``: DDP with ``ZeroRedundancyOptimizer(optimizer_class=AdamW)`` (the ZeRO-1 recipe), fp32.
 - ``torch_fsdp2_zero3`` / ``torch_fsdp2_zero2``: FSDP2 ``fully_shard`` on every decoder layer, then the root
   (FSDP2 tutorial), ``reshard_after_forward=True`` (ZeRO-3) or ``False`` (ZeRO-2), fp32.
 - ``torch_fsdp2_zero3_ac_bf16``: the same ZeRO-3 plus non-reentrant activation checkpointing of every decoder
@@ -43,6 +44,18 @@ def _ddp(model, cfg) -> Prepared:
     return Prepared(_step(model, opt), model, opt, dist.get_world_size(), type(model).__name__)
 
 
+def _ddp_zero1(model, cfg) -> Prepared:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _init()
+    model = DDP(model)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **OPTIM_ARGS)
+    # the local optimizer (.optim) holds this rank's shard of the state
+    return Prepared(_step(model, opt), model, opt.optim, dist.get_world_size(),
+                    f"{type(model).__name__}+{type(opt).__name__}")
+
+
 def _fsdp2(zero3: bool, ac: bool = False, bf16: bool = False):
     def setup(model, cfg) -> Prepared:
         from torch.distributed.device_mesh import init_device_mesh
@@ -72,6 +85,7 @@ def _fsdp2(zero3: bool, ac: bool = False, bf16: bool = False):
 
 CONTENDERS = {
     "torch_ddp": Contender(_ddp, "ddp", sharded=False, wrapper="DistributedDataParallel"),
+    "torch_ddp_zero1": Contender(_ddp_zero1, "zero1", sharded=False, wrapper="DistributedDataParallel"),
     "torch_fsdp2_zero3": Contender(_fsdp2(True), "zero3", sharded=True, wrapper="FSDP"),
     "torch_fsdp2_zero2": Contender(_fsdp2(False), "zero2", sharded=True, wrapper="FSDP"),
     "torch_fsdp2_zero3_ac_bf16": Contender(_fsdp2(True, ac=True, bf16=True), "zero3+ac+bf16", sharded=True,
