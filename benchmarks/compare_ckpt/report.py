@@ -27,7 +27,7 @@ def versions() -> dict:
     from importlib import metadata
 
     v = {"python": platform.python_version()}
-    for pkg in ("torch", "dlrover", "torchloom", "numpy"):
+    for pkg in ("torch", "torchloom", "dlrover", "grpcio", "numpy", "matplotlib"):
         try:
             v[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -81,8 +81,10 @@ def assemble(a, stall: dict, restores: list[dict], wall_s: float, work: Path) ->
             "steps_restored": [r["ranks"][0]["step"] for r in good],
             "sources": sorted({rk["source"] for r in good for rk in r["ranks"]}),
             "log_says_memory": [r.get("log_says_memory") for r in good],
+            "log_says_disk": [r.get("log_says_disk") for r in good],
             "state_matches_saved": all(chk) if chk else None,
-            "errors": [r["error"] for r in rs if "error" in r]}
+            "errors": [r["error"] for r in rs if "error" in r],
+            "failed_attempts": [e for r in rs for e in r.get("failed_attempts", [])]}
     base = per.get("torchloom flash", {}).get("stall_s", {}).get("median")
     for n, p in per.items():
         m = p["stall_s"]["median"]
@@ -101,8 +103,23 @@ def assemble(a, stall: dict, restores: list[dict], wall_s: float, work: Path) ->
                                                    "smoke")},
             "state": meta[0] if meta else None, "checks": checks, "contenders": per,
             "stall_launch_error": stall.get("launch_error"), "versions": versions(),
+            "dlrover_agent_probe": stall.get("dlrover_agent_probe"),
             "machine": machine(work), "wall_s": wall_s, "raw": {"saves": stall["saves"],
                                                                 "restores": restores}}
+
+
+def headline(text: str) -> str:
+    """The line of an error text that names the error: the first ``[rankN]: XError: ...`` line (what a
+    rank raised), else the first line naming an error, else the first line."""
+    import re
+
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    pat = re.compile(r"\b\w*(Error|Exception)\b:")
+    for pref in (True, False):
+        for ln in lines:
+            if pat.search(ln) and (ln.startswith("[rank") or not pref) and "_shm_handler" not in ln:
+                return ln[:400]
+    return lines[0][:400] if lines else "?"
 
 
 def _f(q: dict, key: str = "median", nd: int = 3) -> str:
@@ -145,18 +162,26 @@ def markdown(r: dict) -> str:
             continue
         L.append(f"| {n} | {_f(q['load_s'])} | {_f(q['restart_to_loaded_s'], nd=2)} | "
                  f"{', '.join(str(x) for x in q['steps_restored'])} | {', '.join(q['sources'])}"
-                 f"{' (log: memory)' if any(q['log_says_memory']) else ''} | {q['state_matches_saved']} |")
+                 f"{' (log: memory)' if any(q['log_says_memory']) else ''}"
+                 f"{' (log: disk)' if any(q.get('log_says_disk') or []) else ''} | {q['state_matches_saved']} |")
     errs = [(n, p["error"]) for n, p in r["contenders"].items() if p["error"]]
     errs += [(n, {"phase": "restore", "errors": p["restore"]["errors"]})
              for n, p in r["contenders"].items() if p["restore"]["errors"]]
+    errs += [(n, {"phase": "restore, failed attempt (retried)", "errors": [e]})
+             for n, p in r["contenders"].items() for e in p["restore"]["failed_attempts"]]
     if r.get("stall_launch_error"):
         errs.append(("stall launch", {"phase": "launch", "errors": [r["stall_launch_error"]]}))
     if errs:
         L += ["", "Failures:", ""]
         for n, e in errs:
-            first = (e["errors"][0] if e["errors"] else "").strip().splitlines()
-            L.append(f"- **{n}** ({e['phase']}): `{first[0] if first else '?'}`" + (
-                f" … `{first[-1]}`" if len(first) > 1 else ""))
+            text = e["errors"][0] if e["errors"] else ""
+            L.append(f"- **{n}** ({e['phase']}): `{text.strip().splitlines()[0] if text.strip() else '?'}`: "
+                     f"`{headline(text)}`")
+    pr = r.get("dlrover_agent_probe")
+    if pr:
+        L += ["", f"DLRover agent mode (`{pr['cmd']}`): " + ("starts." if pr["ok"] else
+              f"does not start here: `{pr['error']}`; so DLRover runs without its agent (saver = daemon "
+              "child of local rank 0, killed with the job).")]
     ch, v, m = r["checks"], r["versions"], r["machine"]
     L += ["", f"Checks: world size {'ok' if ch['world_size_ok'] else 'WRONG'} on every rank; wrapper "
           f"{', '.join(ch['wrapper'])}; on-disk bytes ÷ per-rank state bytes: " +
@@ -174,19 +199,26 @@ def plot(r: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = [n for n, p in r["contenders"].items() if p["stall_s"]["median"] is not None]
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for i, (key, title) in enumerate((("stall_s", "training blocked per save (s)"),
-                                      ("restore", "restart → state loaded after a kill (s)"))):
-        qs = [r["contenders"][n][key] if key == "stall_s" else r["contenders"][n][key]["restart_to_loaded_s"]
-              for n in names]
-        ok = [(n, q) for n, q in zip(names, qs) if q["median"] is not None]
-        med = [q["median"] for _, q in ok]
-        err = [[q["median"] - q["q1"] for _, q in ok], [q["q3"] - q["median"] for _, q in ok]]
-        ax[i].bar([n for n, _ in ok], med, yerr=err, capsize=4, color="tab:blue")
-        ax[i].set_title(title)
-        ax[i].tick_params(axis="x", rotation=25)
-        if i == 0:
-            ax[i].set_yscale("log")
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+
+    def bars(axis, series, title):
+        width = 0.8 / len(series)
+        for j, (label, qs) in enumerate(series):
+            xs = [i + (j - (len(series) - 1) / 2) * width for i, q in enumerate(qs) if q["median"] is not None]
+            ok = [q for q in qs if q["median"] is not None]
+            axis.bar(xs, [q["median"] for q in ok], width, label=label,
+                     yerr=[[q["median"] - q["q1"] for q in ok], [q["q3"] - q["median"] for q in ok]], capsize=3)
+        axis.set_xticks(range(len(names)), names, rotation=25, ha="right")
+        axis.set_yscale("log")
+        axis.set_title(title)
+        if len(series) > 1:
+            axis.legend(fontsize=8)
+
+    C = r["contenders"]
+    bars(ax[0], [("stall per save", [C[n]["stall_s"] for n in names])], "training blocked per save (s, log)")
+    bars(ax[1], [("load()", [C[n]["restore"]["load_s"] for n in names]),
+                 ("restart → state loaded", [C[n]["restore"]["restart_to_loaded_s"] for n in names])],
+         "restore after a kill (s, log)")
     s = r["state"] or {}
     fig.suptitle(f"{s.get('state_bytes_per_rank', 0) / 1e9:.2f} GB state per rank, {r['config']['nproc']} "
                  f"gloo ranks (DDP); bars: median, whiskers: quartiles")
