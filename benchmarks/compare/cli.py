@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     contenders = [_qualify(c) for c in args.contenders.split(",")] if args.contenders else list(DEFAULT)
     if args.auto:
         contenders.append("loom:loom_auto")
+    load_start = list(os.getloadavg())
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
     sections = []
     for model in args.models.split(","):
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
                              "headlines": headlines(rows)})
     result = {"command": "python -m benchmarks compare " + shlex.join(argv), "started": started,
               "finished": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-              "environment": environment(), "sections": sections}
+              "environment": {**environment(), "loadavg_at_start": load_start}, "sections": sections}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     paths = write(result, args.out)
     print("wrote " + ", ".join(paths))

@@ -14,14 +14,20 @@ import torch
 from .common import OPTIM_ARGS, Contender, Prepared
 
 
-def _loom(strategy, search=None):
+def _loom(strategy, search_options=None):
     def setup(model, cfg) -> Prepared:
+        search = dict(search_options or {})
         import torchloom
 
+        if strategy == "auto":  # the search sizes the inputs from one batch of the same token stream
+            from .common import global_batches
+
+            x = global_batches(cfg["model"], cfg["global_batch"], 1)[0]
+            search.setdefault("sample_batch", {"input_ids": x, "labels": x})
         res = torchloom.auto_accelerate(
             model, torch.optim.AdamW, None, None, strategy=strategy, optim_args=dict(OPTIM_ARGS),
             dataloader_args={"batch_size": cfg["global_batch"]}, model_input_format="unpack_dict",
-            search=search)
+            search=dict(search) if search else None)
         if res.grad_accum_steps != 1:
             raise RuntimeError(f"torchloom chose {res.grad_accum_steps} accumulation steps; the comparison needs 1")
 
@@ -44,5 +50,5 @@ CONTENDERS = {
     "loom_zero2": Contender(_loom(["zero2"]), "zero2", sharded=True, wrapper="FSDP"),
     "loom_zero3_ac_bf16": Contender(_loom(["zero3", "checkpoint", ("amp", {"dtype": "bfloat16"})]), "zero3+ac+bf16",
                                     sharded=True, wrapper="FSDP", precision="bf16"),
-    "loom_auto": Contender(_loom("auto", {"time_limit_s": 120}), "auto", sharded=False, wrapper=""),
+    "loom_auto": Contender(_loom("auto", {"time_limit_s": 60}), "auto", sharded=False, wrapper=""),
 }

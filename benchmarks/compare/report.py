@@ -115,11 +115,11 @@ def write(result: dict, stem: str) -> list[str]:
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     env = result["environment"]
-    load = " ".join(f"{x:.1f}" for x in env["loadavg_at_end"] or [])
+    load = " / ".join(" ".join(f"{x:.1f}" for x in env.get(k) or []) for k in ("loadavg_at_start", "loadavg_at_end"))
     md = [f"# Training throughput and memory: torchloom vs peers", "",
           f"Command: `{result['command']}`  ", f"Started {result['started']}, finished {result['finished']} (UTC).  ",
           f"Machine: {env['cpu']}, {env['cores']} cores, {_f(env['mem_bytes'] / 2**30 if env['mem_bytes'] else None, '.0f')} GiB, "
-          f"Linux {env['kernel']}, Python {env['python']}; load average at the end {load}.  ",
+          f"Linux {env['kernel']}, Python {env['python']}; load average (1, 5, 15 min) at the start / end {load}.  ",
           "Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", ""]
     for sec in result["sections"]:
         md += [f"## {sec['model']} ({sec['n_params'] / 1e6:.2f} M parameters), {sec['world']} processes", "",
