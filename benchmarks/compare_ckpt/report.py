@@ -99,7 +99,7 @@ def assemble(a, stall: dict, restores: list[dict], wall_s: float, work: Path) ->
                                             if p["disk_bytes_last"] and meta else None)
                                         for n, p in per.items()}}
     return {"config": {k: getattr(a, k) for k in ("gb", "width", "rounds", "restore_rounds", "post_steps",
-                                                   "nproc", "threads", "contenders", "restore_contenders",
+                                                   "nproc", "threads", "contenders", "restore_contenders", "dlrover_early_saver",
                                                    "smoke")},
             "state": meta[0] if meta else None, "checks": checks, "contenders": per,
             "stall_launch_error": stall.get("launch_error"), "versions": versions(),
@@ -188,7 +188,7 @@ def markdown(r: dict) -> str:
           ", ".join(f"{n} {x:.2f}" for n, x in ch["disk_over_state_bytes"].items() if x) + ".",
           f"Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + ".",
           f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_bytes'] / 2**30:.0f} GiB, checkpoints on "
-          f"{m['checkpoint_fs']}, load average at end {m['load_avg_at_end'][0]:.1f}; run took {r['wall_s']:.0f} s."]
+          f"{m['checkpoint_fs']}, load average (1 min) at start {m.get('load_avg_at_start', [float('nan')])[0]:.1f}, at end {m['load_avg_at_end'][0]:.1f}; run took {r['wall_s']:.0f} s."]
     return "\n".join(L)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -29,11 +30,18 @@ from benchmarks.compare_ckpt.contenders import NAMES  # noqa: E402
 
 
 def _common(a) -> list[str]:
-    return ["--gb", str(a.gb), "--width", str(a.width)]
+    return ["--gb", str(a.gb), "--width", str(a.width)] + (["--dlrover-early-saver"] if a.dlrover_early_saver else [])
 
 
 def run_stall(a, work: Path, logs: Path) -> dict:
     out = work / "stall.json"
+    if a.reuse_work and out.exists():
+        res = json.loads(out.read_text())
+        if not res.get("partial"):
+            res.setdefault("exit_codes", None)
+            res.setdefault("wall_s", 0.0)
+            res["reused_from"] = str(out)
+            return res
     args = ["--phase", "stall", "--contenders", ",".join(a.contenders), *_common(a),
             "--rounds", str(a.rounds), "--post-steps", str(a.post_steps), "--root", str(work / "stall"),
             "--out", str(out)]
@@ -64,6 +72,13 @@ def run_restore(a, name: str, rnd: int, work: Path, logs: Path, attempts: int = 
 def _restore_once(a, name: str, rnd: int, work: Path, logs: Path, attempt: int) -> dict:
     tag = f"{name.replace(' ', '_')}.r{rnd}.a{attempt}"
     root, vout, rout = work / f"restore_{tag}", work / f"victim_{tag}.json", work / f"restore_{tag}.json"
+    if a.reuse_work and rout.exists() and vout.exists():
+        res = {"contender": name, "round": rnd, "victim": json.loads(vout.read_text()), "reused_from": str(rout)}
+        res.update(json.loads(rout.read_text()))
+        logtxt = "".join((logs / f"restore.{tag}.rank{r}.log").read_text() for r in range(a.nproc))
+        res["log_says_memory"] = "from memory" in logtxt or "from the CPU memory" in logtxt
+        res["log_says_disk"] = "_load_from_storage] Load the state dict from" in logtxt
+        return res
     base = ["--contenders", name, *_common(a), "--root", str(root)]
     launch.remove(launch.leftovers([]))               # a fresh machine: no DLRover memory of earlier runs
     procs = launch.start(["--phase", "victim", *base, "--out", str(vout)], a.nproc, logs, f"victim.{tag}",
@@ -111,6 +126,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--contenders", default=",".join(NAMES), help="comma-separated, from: " + ", ".join(NAMES))
     ap.add_argument("--restore-contenders", default=None,
                     help="comma-separated contenders for the kill+restore runs (default: all; --smoke: the first)")
+    ap.add_argument("--dlrover-early-saver", action="store_true",
+                    help="fork DLRover's saver before building the model (works around its hang, see worker.py)")
+    ap.add_argument("--reuse-work", action="store_true",
+                    help="reuse the finished stall phase and restore runs found in --work (an interrupted run)")
     ap.add_argument("--restart-delay", type=float, default=0.0, help="seconds between kill and restart")
     ap.add_argument("--timeout", type=float, default=900.0, help="per launch, seconds")
     ap.add_argument("--work", default=None, help="checkpoint directory (default: a temporary one)")
@@ -141,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(a.work or tempfile.mkdtemp(prefix="compare_ckpt_work_"))
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()
     stall = run_stall(a, work, logs)
     launch.remove(launch.leftovers([]))
     print(f"stall phase: {len(stall['saves'])} saves in {stall['wall_s']:.0f} s; errors: "
@@ -159,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         stall["dlrover_agent_probe"] = probe()
         print(f"dlrover-run probe: {'ok' if stall['dlrover_agent_probe']['ok'] else stall['dlrover_agent_probe']['error']}")
     result = report.assemble(a, stall, restores, time.time() - t0, work)
+    result["machine"]["load_avg_at_start"] = load0
     paths = report.write(result, out)
     print(report.markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -183,9 +183,18 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--root", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--dlrover-early-saver", action="store_true",
+                    help="start DLRover's saver process (its own start_saver_process) before the model is built")
     a = ap.parse_args()
     t_spawn = float(os.environ.get("BENCH_T_SPAWN", time.time()))
     dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("BENCH_PG_TIMEOUT", 300))))
+    if a.dlrover_early_saver and "dlrover flash" in a.contenders.split(","):
+        # What DLRover's CheckpointEngine does at construction (fork a saver from local rank 0), done
+        # before the state exists: forked from the loaded, multi-threaded process it hung (saver
+        # factory up, saver never created: "Timed out waiting for socket server") in runs here.
+        from dlrover.trainer.torch.flash_checkpoint.engine import CheckpointEngine, start_saver_process
+
+        CheckpointEngine.saver_proc = start_saver_process()
     st = build(a.gb, width=a.width)
     meta = {"world_size": dist.get_world_size(), "backend": dist.get_backend(),
             "wrapper": type(st.model).__module__ + "." + type(st.model).__name__,
