@@ -100,7 +100,8 @@ def assemble(a, stall: dict, restores: list[dict], wall_s: float, work: Path) ->
                                         for n, p in per.items()}}
     return {"config": {k: getattr(a, k) for k in ("gb", "width", "rounds", "restore_rounds", "post_steps",
                                                    "nproc", "threads", "contenders", "restore_contenders", "dlrover_early_saver",
-                                                   "smoke")},
+                                                   "smoke", "argv")},
+            "reused_stall_from": stall.get("reused_from"),
             "state": meta[0] if meta else None, "checks": checks, "contenders": per,
             "stall_launch_error": stall.get("launch_error"), "versions": versions(),
             "dlrover_agent_probe": stall.get("dlrover_agent_probe"),
@@ -230,7 +231,9 @@ def plot(r: dict, path: Path) -> None:
 def write(r: dict, out: Path) -> list[Path]:
     j, md, png = out / "compare_ckpt.json", out / "compare_ckpt.md", out / "compare_ckpt.png"
     j.write_text(json.dumps(r, indent=1, default=str))
-    cmd = "python -m benchmarks compare-ckpt" + (" --smoke" if r["config"]["smoke"] else "")
+    import shlex
+
+    cmd = "python -m benchmarks compare-ckpt " + " ".join(shlex.quote(x) for x in r["config"].get("argv", []))
     md.write_text(f"# Checkpoint stall\n\nCommand: `{cmd}` (config: {json.dumps(r['config'])})\n\n"
                   + markdown(r) + "\n\n![checkpoint stall](compare_ckpt.png)\n")
     plot(r, png)

@@ -137,6 +137,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "(default: benchmarks/results; --smoke: a temporary directory)")
     ap.add_argument("--smoke", action="store_true", help="~20 MB state, 1 round, 1 restore round")
     a = ap.parse_args(argv)
+    a.argv = list(argv if argv is not None else sys.argv[1:])
     if a.smoke:
         a.gb, a.width, a.rounds, a.restore_rounds, a.post_steps = 0.02, 512, 1, 1, 1
         if a.contenders == ",".join(NAMES):
