@@ -160,6 +160,19 @@ def reference(family: str, steps: int, global_batch: int, dp: int, micro: int, b
             "probe": _probe_outputs(model, [batches[0][r][0] for r in range(dp)])}
 
 
+def _train_losses(res, batches, r: int, dp: int) -> list[float]:
+    """Train on rank ``r``'s micro-batches of every step; the global-batch mean loss per step."""
+    losses = []
+    for step in batches:
+        acc = torch.zeros(())
+        for x in step[r]:
+            acc += res.train_step({"input_ids": x, "labels": x})
+        acc /= res.grad_accum_steps
+        dist.all_reduce(acc, group=res.mesh.group("dp"))
+        losses.append((acc / dp).item())
+    return losses
+
+
 def train_many(configs: list[dict]) -> list[dict]:
     """Several :func:`train` configurations in one launch (a launch costs seconds)."""
     out = []
@@ -199,14 +212,7 @@ def train(strategy, family: str, steps: int, global_batch: int, micro: int, bias
 
     res.optimizer.register_step_pre_hook(record)
     batches = rank_batches(steps, global_batch, dp, micro)
-    losses = []
-    for s in range(steps):
-        acc = torch.zeros(())
-        for x in batches[s][r]:
-            acc += res.train_step({"input_ids": x, "labels": x})
-        acc /= res.grad_accum_steps
-        dist.all_reduce(acc, group=res.mesh.group("dp"))
-        losses.append((acc / dp).item())
+    losses = _train_losses(res, batches, r, dp)
     experts = [(n, p) for n, p in _named(res.model) if is_expert_param(n)]
     placements = {n: _ep_placement(p) for n, p in experts}
     out = {"losses": losses, "params": full_params(res.model), "grads": grads, "notes": res.notes,
@@ -263,14 +269,7 @@ def pp_train(steps: int, global_batch: int, micro: int, schedule: str = "1f1b") 
         dataloader_args={"batch_size": global_batch, "micro_batch_size": micro}, model_input_format="unpack_dict")
     dp, r = res.mesh.dp_size, res.mesh.dp_rank
     batches = rank_batches(steps, global_batch, dp, micro)
-    losses = []
-    for s in range(steps):
-        acc = torch.zeros(())
-        for x in batches[s][r]:
-            acc += res.train_step({"input_ids": x, "labels": x})
-        acc /= res.grad_accum_steps
-        dist.all_reduce(acc, group=res.mesh.group("dp"))
-        losses.append((acc / dp).item())
+    losses = _train_losses(res, batches, r, dp)
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
               for n, p in res.model.named_parameters()}
     experts = {n: _ep_placement(p) for n, p in res.model.named_parameters() if is_expert_param(n)}
