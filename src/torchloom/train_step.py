@@ -191,6 +191,9 @@ class TrainStep:
             output = call_model(self.model, batch, self.model_input_format)
             count_before = self._count
             loss, report = self._loss(batch, output)
+            # the output (logits: micro-batch x seq x vocab) is not needed for backward: a plain loop's
+            # `loss = model(x).loss` drops it here too; keeping it raised the peak by one logits tensor
+            del output
             aux_factor = self._aux_factor(self._count - count_before)
             if loss.grad_fn is None:
                 raise RuntimeError(
