@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
     sections = []
     for model in args.models.split(","):
-        n_params = sum(p.numel() for p in build_model(model).parameters())
+        n_params = sum(p.numel() for p in build_model(model, meta=True).parameters())
         for world in (int(w) for w in args.worlds.split(",")):
             threads = args.threads or max(1, (os.cpu_count() or 2) // world)
             cfg = dict(model=model, global_batch=args.global_batch, steps=args.steps, warmup=args.warmup,

@@ -24,9 +24,10 @@ OPTIM_ARGS = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 BLOCK_CLASS = "LlamaDecoderLayer"
 
 
-def build_model(name: str, seed: int = 0) -> torch.nn.Module:
+def build_model(name: str, seed: int = 0, meta: bool = False) -> torch.nn.Module:
     """The LLaMA model ``name`` of :data:`MODELS` in fp32 on CPU, initialised after ``torch.manual_seed(seed)``:
-    the same construction as ``torchloom.train.job.build_model`` (so the same weights for the same seed)."""
+    the same construction as ``torchloom.train.job.build_model`` (so the same weights for the same seed).
+    ``meta=True``: the same module tree on the meta device (no storage; the contender materialises it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     mc = MODELS[name]
@@ -39,6 +40,9 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            return LlamaForCausalLM(config)
     return LlamaForCausalLM(config)
 
 
@@ -93,6 +97,8 @@ class Contender:
         sharded: whether parameters must be split over ranks (checked: per-rank parameter bytes ~ 1/world).
         wrapper: a substring the wrapper description must contain (checked).
         precision: ``fp32`` or ``bf16`` (compute dtype of the matmuls).
+        meta: the worker builds the model on the meta device (after the same seed) and the contender
+            materialises it: what a user does so that no rank ever holds the whole fp32 model.
     """
 
     setup: Callable[..., Prepared]
@@ -100,3 +106,4 @@ class Contender:
     sharded: bool
     wrapper: str
     precision: str = "fp32"
+    meta: bool = False

@@ -2,6 +2,8 @@
 
 - ``loom_ddp``: ``["ddp"]``; ``loom_zero1``: ``["zero1"]``; ``loom_zero2`` / ``loom_zero3``: ``["zero2"]`` / ``["zero3"]`` (FSDP2 underneath);
 - ``loom_zero3_ac_bf16``: ``["zero3", "checkpoint", ("amp", {"dtype": "bfloat16"})]``;
+- ``loom_zero3_ac_bf16_meta``: the same on a model built on the meta device (``auto_accelerate`` materialises
+  each shard with the values of the plain build: no rank holds the whole model);
 - ``loom_auto``: ``strategy="auto"`` (the strategy search picks; its time is setup, not step time).
 
 The step is ``result.train_step({"input_ids": x, "labels": x})`` with the model output's loss (global batch
@@ -50,5 +52,7 @@ CONTENDERS = {
     "loom_zero2": Contender(_loom(["zero2"]), "zero2", sharded=True, wrapper="FSDP"),
     "loom_zero3_ac_bf16": Contender(_loom(["zero3", "checkpoint", ("amp", {"dtype": "bfloat16"})]), "zero3+ac+bf16",
                                     sharded=True, wrapper="FSDP", precision="bf16"),
+    "loom_zero3_ac_bf16_meta": Contender(_loom(["zero3", "checkpoint", ("amp", {"dtype": "bfloat16"})]),
+                                         "zero3+ac+bf16", sharded=True, wrapper="FSDP", precision="bf16", meta=True),
     "loom_auto": Contender(_loom("auto", {"time_limit_s": 60}), "auto", sharded=False, wrapper=""),
 }

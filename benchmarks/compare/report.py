@@ -62,7 +62,8 @@ def headline_lines(h: dict) -> list[str]:
     out += ["", "ZeRO-3 + activation checkpointing + bf16 vs DDP fp32 (same global batch; cut = DDP ÷ ZeRO-3):", ""]
     for z in h["zero3_ac_bf16_vs_ddp"]:
         out.append(f"- {z['family']}: tracked peak cut {_f(z['tracked_peak_cut'], '.2f')}×, params+optimizer "
-                   f"bytes cut {z['state_bytes_cut']:.2f}×, peak RSS cut {z['train_rss_cut']:.2f}×, throughput "
+                   f"bytes cut {z['state_bytes_cut']:.2f}×, peak RSS cut {z['train_rss_cut']:.2f}× "
+                   f"(setup {z.get('setup_rss_cut', float('nan')):.2f}×), throughput "
                    f"ratio {z['throughput_ratio']:.2f}×" + ("" if z["valid"] else " — a check failed"))
     out += ["", "torchloom vs each peer's best valid configuration (step time ratio, < 1 = torchloom faster):", ""]
     for v in h["vs_peers"]:

@@ -110,7 +110,8 @@ def loss_checks(rows: list[dict], ref: str = "torch_ddp") -> None:
 
 PAIRS = [("ddp", "torch_ddp", "loom_ddp"), ("zero1", "torch_ddp_zero1", "loom_zero1"), ("zero3", "torch_fsdp2_zero3", "loom_zero3"),
          ("zero2", "torch_fsdp2_zero2", "loom_zero2"),
-         ("zero3+ac+bf16", "torch_fsdp2_zero3_ac_bf16", "loom_zero3_ac_bf16")]
+         ("zero3+ac+bf16", "torch_fsdp2_zero3_ac_bf16", "loom_zero3_ac_bf16"),
+         ("zero3+ac+bf16, meta init", "torch_fsdp2_zero3_ac_bf16_meta", "loom_zero3_ac_bf16_meta")]
 
 
 def headlines(rows: list[dict]) -> dict:
@@ -128,7 +129,9 @@ def headlines(rows: list[dict]) -> dict:
                                   "valid": not a["checks"] and not b["checks"]})
     for fam, ddp, z in (("hand-written", "torch_ddp", "torch_fsdp2_zero3_ac_bf16"),
                         ("torchloom", "loom_ddp", "loom_zero3_ac_bf16"),
-                        ("accelerate", "accel_ddp", "accel_fsdp2_zero3_ac_bf16")):
+                        ("accelerate", "accel_ddp", "accel_fsdp2_zero3_ac_bf16"),
+                        ("hand-written, meta init", "torch_ddp", "torch_fsdp2_zero3_ac_bf16_meta"),
+                        ("torchloom, meta init", "loom_ddp", "loom_zero3_ac_bf16_meta")):
         if ddp in by and z in by:
             a, b = by[z], by[ddp]
             h["zero3_ac_bf16_vs_ddp"].append({
@@ -137,6 +140,7 @@ def headlines(rows: list[dict]) -> dict:
                 "state_bytes_cut": (b["param_bytes"] + b["optim_state_bytes"] + b["optim_param_copy_bytes"])
                 / max(1, a["param_bytes"] + a["optim_state_bytes"] + a["optim_param_copy_bytes"]),
                 "train_rss_cut": b["train_peak_rss"] / a["train_peak_rss"],
+                "setup_rss_cut": b["setup_peak_rss"] / a["setup_peak_rss"],
                 "throughput_ratio": a["tokens_per_s"] / b["tokens_per_s"], "valid": not a["checks"]})
     valid = [r for r in by.values() if not r["checks"]]
     loom = [r for r in valid if r["family"] == "loom"]

@@ -7,6 +7,8 @@
 - ``torch_fsdp2_zero3_ac_bf16``: the same ZeRO-3 plus non-reentrant activation checkpointing of every decoder
   layer (``apply_activation_checkpointing``) and bf16 compute by ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32)`` (the FSDP2 tutorial's mixed precision: what replaces autocast under FSDP2).
+- ``torch_fsdp2_zero3_ac_bf16_meta``: the same on a model built on the meta device; rank 0 builds the real
+  weights and broadcasts them into the shards (``set_model_state_dict(..., broadcast_from_rank0=True)``).
 
 The step: ``loss = model(input_ids=x, labels=x).loss; loss.backward(); opt.step(); opt.zero_grad()``.
 """
@@ -56,7 +58,28 @@ def _ddp_zero1(model, cfg) -> Prepared:
                     f"{type(model).__name__}+{type(opt).__name__}")
 
 
-def _fsdp2(zero3: bool, ac: bool = False, bf16: bool = False):
+def _materialize_from_rank0(model, cfg) -> None:
+    """The FSDP2 docs' recipe for a model built on the meta device: rank 0 builds the real model (same seed), the
+    sharded meta model gets storage (``to_empty``) and ``set_model_state_dict(full_state_dict=True,
+    broadcast_from_rank0=True)`` scatters rank 0's weights; non-persistent buffers (rotary ``inv_freq``) are in no
+    state dict, so they are recomputed."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from .common import build_model
+
+    full = build_model(cfg["model"], seed=0).state_dict() if dist.get_rank() == 0 else {}
+    model.to_empty(device="cpu")
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__.endswith("RotaryEmbedding"):
+                inv_freq, _ = m.compute_default_rope_parameters(m.config)
+                m.inv_freq.copy_(inv_freq)
+                m.original_inv_freq.copy_(inv_freq)
+
+
+def _fsdp2(zero3: bool, ac: bool = False, bf16: bool = False, meta: bool = False):
     def setup(model, cfg) -> Prepared:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -76,6 +99,8 @@ def _fsdp2(zero3: bool, ac: bool = False, bf16: bool = False):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=zero3, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=zero3, mp_policy=mp)
+        if meta:
+            _materialize_from_rank0(model, cfg)
         opt = torch.optim.AdamW(model.parameters(), **OPTIM_ARGS)
         units = sum(1 for m in model.modules() if type(m).__name__.startswith("FSDP"))
         return Prepared(_step(model, opt), model, opt, mesh.size(),
@@ -90,4 +115,6 @@ CONTENDERS = {
     "torch_fsdp2_zero2": Contender(_fsdp2(False), "zero2", sharded=True, wrapper="FSDP"),
     "torch_fsdp2_zero3_ac_bf16": Contender(_fsdp2(True, ac=True, bf16=True), "zero3+ac+bf16", sharded=True,
                                            wrapper="FSDP", precision="bf16"),
+    "torch_fsdp2_zero3_ac_bf16_meta": Contender(_fsdp2(True, ac=True, bf16=True, meta=True), "zero3+ac+bf16",
+                                                sharded=True, wrapper="FSDP", precision="bf16", meta=True),
 }

@@ -88,8 +88,8 @@ def run(cfg: dict) -> dict:
     contender = getattr(importlib.import_module(f"benchmarks.compare.{mod}"), "CONTENDERS")[name]
     total = cfg["warmup"] + cfg["steps"]
     data = global_batches(cfg["model"], cfg["global_batch"], total + 1)
-    model = build_model(cfg["model"], seed=0)
-    full_param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model = build_model(cfg["model"], seed=0, meta=contender.meta)
+    full_param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # meta tensors have sizes
     t0 = time.perf_counter()
     prep = contender.setup(model, {**cfg, "rank": rank, "world": world})
     setup_s = time.perf_counter() - t0
@@ -109,8 +109,7 @@ def run(cfg: dict) -> dict:
     out = {
         "rank": rank, "world": world, "setup_s": setup_s, "step_s": times, "loss": losses,
         "setup_peak_rss": setup_peak_rss, "train_peak_rss": train_peak_rss, "full_param_bytes": full_param_bytes,
-        "n_params": sum(p.numel() for p in model.parameters()) if not any(p.is_meta for p in model.parameters())
-        else None,
+        "n_params": sum(p.numel() for p in build_model(cfg["model"], meta=True).parameters()),
         "dist_world_size": seen_world, "contender_world_size": prep.world_size, "wrapper": prep.wrapper,
         "threads": torch.get_num_threads(), "notes": prep.notes, **state_bytes(prep),
     }
