@@ -4,7 +4,8 @@
 - ``loom_zero3_ac_bf16``: ``["zero3", "checkpoint", ("amp", {"dtype": "bfloat16"})]``;
 - ``loom_zero3_ac_bf16_meta``: the same on a model built on the meta device (``auto_accelerate`` materialises
   each shard with the values of the plain build: no rank holds the whole model);
-- ``loom_auto``: ``strategy="auto"`` (the strategy search picks; its time is setup, not step time).
+- ``loom_auto``: ``strategy="auto"`` (the strategy search picks, with the plan cache off so every launch
+  searches; its time is setup, not step time).
 
 The step is ``result.train_step({"input_ids": x, "labels": x})`` with the model output's loss (global batch
 given to ``auto_accelerate``; micro-batch = global / world, no accumulation).
@@ -54,5 +55,5 @@ CONTENDERS = {
                                     sharded=True, wrapper="FSDP", precision="bf16"),
     "loom_zero3_ac_bf16_meta": Contender(_loom(["zero3", "checkpoint", ("amp", {"dtype": "bfloat16"})]),
                                          "zero3+ac+bf16", sharded=True, wrapper="FSDP", precision="bf16", meta=True),
-    "loom_auto": Contender(_loom("auto", {"time_limit_s": 60}), "auto", sharded=False, wrapper=""),
+    "loom_auto": Contender(_loom("auto", {"time_limit_s": 60, "cache": False}), "auto", sharded=False, wrapper=""),
 }
