@@ -138,6 +138,8 @@ class FlashCheckpointer:
         self._replies: queue.Queue = queue.Queue()
         self._errors: list[str] = []
         self._proc: subprocess.Popen | None = None
+        self._reserver: threading.Thread | None = None  # faults in the other slot after the first save
+        self._reserve_error: BaseException | None = None
         self._wait_for_old_saver()
         steps = complete_steps(self.slot_dir)
         if steps:
@@ -244,6 +246,7 @@ class FlashCheckpointer:
         """
         commit.step_dirname(step)
         t0 = time.perf_counter()
+        self._join_reserver()
         if persist:
             self._start_saver()
         slot = 0 if self._newest_slot is None else 1 - self._newest_slot
@@ -288,8 +291,31 @@ class FlashCheckpointer:
                   "trainer_state_text": ts.document_text(doc)}
         slot.write(tensors, header, ts.encode_rng())
         other = self.slots[1 - slot.index]
-        if other._buf is None or other._buf.numel() < slot.last_nbytes:
-            other.reserve(slot.last_nbytes)  # both buffers are allocated by the first save, not later ones
+        persisting = self._inflight is not None and self._inflight[0] == other.index
+        if (other._buf is None or other._buf.numel() < slot.last_nbytes) and not persisting:
+            # Allocate the other buffer now, so the next save only copies. Growing zero-fills it: never while
+            # the saver still reads it (a state that grew, e.g. AdamW's moments after the first step, would
+            # persist zeros); it then grows at its own next write. Faulting in ~1 s/GB of pages runs in a
+            # thread: the training loop does not wait for it (joined by the next save/load/finalize).
+            self._reserver = threading.Thread(target=self._reserve, args=(other, slot.last_nbytes), daemon=True,
+                                              name="loom-flash-reserve")
+            self._reserver.start()
+
+    def _reserve(self, slot: Slot, nbytes: int) -> None:
+        try:
+            slot.reserve(nbytes)
+        except BaseException as e:  # noqa: BLE001 - raised by the next save, in the training thread
+            self._reserve_error = e
+
+    def _join_reserver(self) -> None:
+        if self._reserver is not None:
+            self._reserver.join()
+            self._reserver = None
+        if self._reserve_error is not None:
+            e, self._reserve_error = self._reserve_error, None
+            raise CheckpointError(f"flash checkpoint: allocating the second shared-memory slot in "
+                                  f"{self.slot_dir} failed ({type(e).__name__}: {e}); free space in it (or pass "
+                                  "shm_dir=) and save again") from e
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the in-flight background save (if any) is committed. Raises CheckpointError if it
@@ -301,6 +327,7 @@ class FlashCheckpointer:
         memory. Collective. Call once, after the last :meth:`save`."""
         err = None
         try:
+            self._join_reserver()
             self.wait()
         except CheckpointError as e:
             err = e
@@ -344,6 +371,7 @@ class FlashCheckpointer:
         """
         from torchloom.checkpoint import api
 
+        self._join_reserver()
         mine = {}
         for s in self.slots:
             h = s.header()

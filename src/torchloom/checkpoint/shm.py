@@ -64,7 +64,11 @@ class Slot:
         return self._buf
 
     def reserve(self, nbytes: int) -> None:
-        """Preallocate (and fault in) at least ``nbytes`` bytes of shared memory for this slot."""
+        """Preallocate (and fault in) at least ``nbytes`` bytes of shared memory for this slot. Growing the
+        buffer zero-fills it, so a snapshot it held is invalidated first (never call it on a slot a saver
+        is reading)."""
+        if self._buf is None or self._buf.numel() < nbytes:
+            self.invalidate()
         self._buffer(nbytes)
 
     def invalidate(self) -> None:
