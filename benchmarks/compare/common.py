@@ -74,6 +74,8 @@ class Prepared:
         notes: anything the contender wants in the report (settings, warnings).
         param_bytes: this rank's parameter bytes when the framework hides them from ``module.parameters()``
             (DeepSpeed ZeRO-3 keeps the shard in ``p.ds_tensor``); None: sum over ``module.parameters()``.
+        precision: the compute precision the contender ended up with, when only setup knows it
+            (``strategy="auto"``); None: the :class:`Contender`'s.
     """
 
     step: Callable[[torch.Tensor], torch.Tensor]
@@ -83,6 +85,7 @@ class Prepared:
     wrapper: str
     notes: list[str] = field(default_factory=list)
     param_bytes: int | None = None
+    precision: str | None = None
 
 
 @dataclass

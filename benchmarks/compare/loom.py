@@ -8,7 +8,9 @@
   searches; its time is setup, not step time).
 
 The step is ``result.train_step({"input_ids": x, "labels": x})`` with the model output's loss (global batch
-given to ``auto_accelerate``; micro-batch = global / world, no accumulation).
+given to ``auto_accelerate``; micro-batch = global / world, no accumulation). When the search picks a smaller
+micro-batch (``loom_auto``), the rank's rows go through ``train_step`` in that many equal micro-batches: one
+optimizer step on the same global batch.
 """
 from __future__ import annotations
 
@@ -31,18 +33,35 @@ def _loom(strategy, search_options=None):
             model, torch.optim.AdamW, None, None, strategy=strategy, optim_args=dict(OPTIM_ARGS),
             dataloader_args={"batch_size": cfg["global_batch"]}, model_input_format="unpack_dict",
             search=dict(search) if search else None)
-        if res.grad_accum_steps != 1:
-            raise RuntimeError(f"torchloom chose {res.grad_accum_steps} accumulation steps; the comparison needs 1")
+        accum = res.grad_accum_steps  # > 1 only when the search picks a smaller micro-batch (same global batch)
+        if res.mesh.dp_size != cfg["world"]:
+            raise RuntimeError(f"torchloom chose {res.mesh.dims} (dp={res.mesh.dp_size} of {cfg['world']} ranks); "
+                               "this benchmark feeds each rank a data-parallel slice, so it compares data-parallel "
+                               "strategies only")
 
         def step(x):
-            return res.train_step({"input_ids": x, "labels": x})
+            if accum == 1:
+                return res.train_step({"input_ids": x, "labels": x})
+            if x.shape[0] % accum:
+                raise RuntimeError(f"torchloom chose {accum} accumulation steps, which do not divide this rank's "
+                                   f"{x.shape[0]} sequences")
+            # one optimizer step over the rank's rows in `accum` equal micro-batches: the same update as one
+            # batch (train_step averages the micro-batch means); the reported loss is their mean
+            return torch.stack([res.train_step({"input_ids": c, "labels": c}) for c in x.chunk(accum)]).mean()
 
         units = sum(1 for m in res.model.modules() if type(m).__name__.startswith("FSDP"))
-        names = [m.name for m in res.strategy.methods] if hasattr(res.strategy, "methods") else str(res.strategy)
+        entries = list(getattr(res.strategy, "entries", []))
+        names = [e.name + ("" if e.name not in ("amp", "half") else f"({getattr(e.config, 'dtype', '')})")
+                 for e in entries] or str(res.strategy)
         wrapper = type(res.model).__name__ + (f" ({units} FSDP units)" if units else "")
-        notes = [f"strategy: {names}", f"world (mesh): {res.mesh.dims}"] + list(res.notes)
+        notes = [f"strategy: {names}", f"world (mesh): {res.mesh.dims}",
+                 f"micro-batch {cfg['global_batch'] // max(1, accum * res.mesh.dp_size)} x {accum} accumulation "
+                 "step(s) per rank"] + list(res.notes)
         inner = getattr(res.optimizer, "optim", res.optimizer)  # zero1 keeps this rank's shard in .optim
-        return Prepared(step, res.model, inner, int(torch.distributed.get_world_size()), wrapper, notes)
+        bf16 = any(e.name in ("amp", "half") and "bfloat16" in str(getattr(e.config, "dtype", ""))
+                   for e in entries)
+        return Prepared(step, res.model, inner, int(torch.distributed.get_world_size()), wrapper, notes,
+                        precision="bf16" if bf16 else "fp32")
     return setup
 
 

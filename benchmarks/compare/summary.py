@@ -59,6 +59,7 @@ def row(name: str, launches: list[dict], cfg: dict, world: int) -> dict:
            "tracked_detail": r0.get("tracked_peak"), "first_loss": r0["loss"][0], "losses": r0["loss"],
            "wrapper": r0["wrapper"], "dist_world_size": r0["dist_world_size"],
            "contender_world_size": r0["contender_world_size"], "threads": r0["threads"], "notes": r0["notes"]}
+    out["precision"] = r0.get("precision") or out["precision"]  # what strategy="auto" picked
     out["checks"] = fallback_checks(out, spec, world, cfg, ok)
     return out
 

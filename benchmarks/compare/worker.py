@@ -111,7 +111,7 @@ def run(cfg: dict) -> dict:
         "setup_peak_rss": setup_peak_rss, "train_peak_rss": train_peak_rss, "full_param_bytes": full_param_bytes,
         "n_params": sum(p.numel() for p in build_model(cfg["model"], meta=True).parameters()),
         "dist_world_size": seen_world, "contender_world_size": prep.world_size, "wrapper": prep.wrapper,
-        "threads": torch.get_num_threads(), "notes": prep.notes, **state_bytes(prep),
+        "threads": torch.get_num_threads(), "notes": prep.notes, "precision": prep.precision, **state_bytes(prep),
     }
     if cfg.get("track", True):
         out["tracked_peak"] = tracked_peak(prep, rank_slice(data[total], rank, world))
