@@ -76,6 +76,9 @@ class Prepared:
             (DeepSpeed ZeRO-3 keeps the shard in ``p.ds_tensor``); None: sum over ``module.parameters()``.
         precision: the compute precision the contender ended up with, when only setup knows it
             (``strategy="auto"``); None: the :class:`Contender`'s.
+        batch_slice: ``batch_slice(global_batch) -> this rank's input`` when the rank does not read rows
+            ``[rank * mb, (rank + 1) * mb)`` (pipeline or tensor parallel peers read the same data-parallel
+            slice); None: :func:`rank_slice`.
     """
 
     step: Callable[[torch.Tensor], torch.Tensor]
@@ -86,6 +89,7 @@ class Prepared:
     notes: list[str] = field(default_factory=list)
     param_bytes: int | None = None
     precision: str | None = None
+    batch_slice: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass

@@ -34,10 +34,12 @@ def _loom(strategy, search_options=None):
             dataloader_args={"batch_size": cfg["global_batch"]}, model_input_format="unpack_dict",
             search=dict(search) if search else None)
         accum = res.grad_accum_steps  # > 1 only when the search picks a smaller micro-batch (same global batch)
-        if res.mesh.dp_size != cfg["world"]:
-            raise RuntimeError(f"torchloom chose {res.mesh.dims} (dp={res.mesh.dp_size} of {cfg['world']} ranks); "
-                               "this benchmark feeds each rank a data-parallel slice, so it compares data-parallel "
-                               "strategies only")
+        dp_rank, dp_size = res.mesh.dp_rank, res.mesh.dp_size  # tp/pp peers read the same rows
+
+        def batch_slice(batch):
+            from .common import rank_slice
+
+            return rank_slice(batch, dp_rank, dp_size)
 
         def step(x):
             if accum == 1:
@@ -61,7 +63,7 @@ def _loom(strategy, search_options=None):
         bf16 = any(e.name in ("amp", "half") and "bfloat16" in str(getattr(e.config, "dtype", ""))
                    for e in entries)
         return Prepared(step, res.model, inner, int(torch.distributed.get_world_size()), wrapper, notes,
-                        precision="bf16" if bf16 else "fp32")
+                        precision="bf16" if bf16 else "fp32", batch_slice=batch_slice)
     return setup
 
 

@@ -93,7 +93,8 @@ def fallback_checks(r: dict, spec, world: int, cfg: dict, ok: list[dict]) -> lis
 
 def loss_checks(rows: list[dict], ref: str = "torch_ddp") -> None:
     """Adds ``loss_check``: first-step loss vs the reference (must agree: bit-identical in fp32 up to ~1e-6
-    relative, bf16 within 2e-2), and the largest relative difference of the later losses (rank 0's)."""
+    relative, bf16 within 2e-2), and the largest relative difference of the later losses (global-batch means,
+    worker.global_mean)."""
     refrow = next((r for r in rows if r["contender"] == ref and "error" not in r), None)
     for r in rows:
         if "error" in r or refrow is None:

@@ -2,7 +2,8 @@
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Builds the seeded model, lets the
 contender set it up, times ``warmup + steps`` optimizer steps and writes this rank's measurements as JSON.
 
-Measured per rank: wall time of each step (s), its loss, peak RSS (bytes; VmHWM over setup, then reset and
+Measured per rank: wall time of each step (s), the global-batch mean loss (all ranks averaged, outside the
+clock), peak RSS (bytes; VmHWM over setup, then reset and
 read again over the timed steps), the bytes of parameters / optimizer state / optimizer-owned parameter copies
 this rank holds after the steps, the peak of live tensor bytes in one extra step (PyTorch MemTracker), and what
 the contender reports about itself (world size, wrapper, threads) for the silent-fallback checks.
@@ -76,6 +77,20 @@ def tracked_peak(prep, x) -> dict:
         return {"error": f"{type(e).__name__}: {e}"[:400]}
 
 
+def global_mean(loss) -> float:
+    """The global batch's mean loss: the average over all ranks of each rank's reported loss. Each rank
+    reports the mean over the rows it read (its data-parallel slice; pipeline and tensor-parallel peers report
+    their slice's), so the average is the global mean for every strategy: comparable across contenders."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(loss)], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return float(t)
+
+
 def run(cfg: dict) -> dict:
     import torch
 
@@ -99,12 +114,13 @@ def run(cfg: dict) -> dict:
     setup_peak_rss = rss_bytes("VmHWM")
     reset_peak_rss()
     times, losses = [], []
+    local = prep.batch_slice or (lambda b: rank_slice(b, rank, world))
     for i in range(total):
-        x = rank_slice(data[i], rank, world)
+        x = local(data[i])
         t = time.perf_counter()
         loss = prep.step(x)
-        losses.append(float(loss))
         times.append(time.perf_counter() - t)
+        losses.append(global_mean(loss))  # after the clock stops: the check's all-reduce is not step time
     train_peak_rss = rss_bytes("VmHWM")
     out = {
         "rank": rank, "world": world, "setup_s": setup_s, "step_s": times, "loss": losses,
@@ -114,7 +130,7 @@ def run(cfg: dict) -> dict:
         "threads": torch.get_num_threads(), "notes": prep.notes, "precision": prep.precision, **state_bytes(prep),
     }
     if cfg.get("track", True):
-        out["tracked_peak"] = tracked_peak(prep, rank_slice(data[total], rank, world))
+        out["tracked_peak"] = tracked_peak(prep, local(data[total]))
     return out
 
 
