@@ -46,12 +46,21 @@ def build_model(name: str, seed: int = 0, meta: bool = False) -> torch.nn.Module
     return LlamaForCausalLM(config)
 
 
-def global_batches(name: str, global_batch: int, steps: int, seed: int = 1234) -> torch.Tensor:
-    """The token stream: ``steps`` global batches of shape (global_batch, seq_len), int64, uniform over the
-    vocabulary, the same for every contender and world size."""
+def global_batches(name: str, global_batch: int, steps: int, seed: int = 1234, noise: float = 0.1) -> torch.Tensor:
+    """The token stream: ``steps`` global batches of shape (global_batch, seq_len), int64, the same for every
+    contender and world size. A learnable source, so that the loss moves and the loss checks can see a run that
+    is not the same training (uniform tokens sit at ln(vocab) whatever the weights): each next token is a fixed
+    random permutation of the previous one, replaced by a uniform draw with probability ``noise``."""
     mc = MODELS[name]
+    v, t = mc["vocab_size"], mc["seq_len"]
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, mc["vocab_size"], (steps, global_batch, mc["seq_len"]), generator=g)
+    perm = torch.randperm(v, generator=g)
+    x = torch.empty(steps, global_batch, t, dtype=torch.int64)
+    x[..., 0] = torch.randint(0, v, (steps, global_batch), generator=g)
+    for i in range(1, t):
+        x[..., i] = perm[x[..., i - 1]]
+    flip = torch.rand(steps, global_batch, t, generator=g) < noise
+    return torch.where(flip, torch.randint(0, v, (steps, global_batch, t), generator=g), x)
 
 
 def rank_slice(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:

@@ -62,7 +62,9 @@ def _loom(strategy, search_options=None):
         inner = getattr(res.optimizer, "optim", res.optimizer)  # zero1 keeps this rank's shard in .optim
         bf16 = any(e.name in ("amp", "half") and "bfloat16" in str(getattr(e.config, "dtype", ""))
                    for e in entries)
-        return Prepared(step, res.model, inner, int(torch.distributed.get_world_size()), wrapper, notes,
+        d = res.mesh.dims  # the world torchloom's mesh spans (its own accessor, not the process group's)
+        mesh_world = d.pp * d.dp_replicate * d.dp_shard * d.tp
+        return Prepared(step, res.model, inner, mesh_world, wrapper, notes,
                         precision="bf16" if bf16 else "fp32", batch_slice=batch_slice)
     return setup
 

@@ -61,6 +61,14 @@ def row(name: str, launches: list[dict], cfg: dict, world: int) -> dict:
            "contender_world_size": r0["contender_world_size"], "threads": r0["threads"], "notes": r0["notes"]}
     out["precision"] = r0.get("precision") or out["precision"]  # what strategy="auto" picked
     out["checks"] = fallback_checks(out, spec, world, cfg, ok)
+    out["rounds_failed"] = len(launches) - len(ok)
+    if out["rounds_failed"]:  # a crash or hang in a later round is not a valid row
+        err = next(la for la in launches if "error" in la)["error"].splitlines()[0][:300]
+        out["checks"].append(f"failed in {out['rounds_failed']} of {len(launches)} rounds: {err}")
+    split = [la for la in ok if len({r.get("param_digest") for r in la["ranks"]}) > 1]
+    if not spec.sharded and spec.strategy != "auto" and split:
+        out["checks"].append("replicas diverged: the parameters differ between ranks after the steps (gradients "
+                             "not all-reduced, or not the same update on every rank)")
     return out
 
 

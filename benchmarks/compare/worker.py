@@ -77,6 +77,20 @@ def tracked_peak(prep, x) -> dict:
         return {"error": f"{type(e).__name__}: {e}"[:400]}
 
 
+def param_digest(prep) -> str:
+    """SHA-256 of this rank's local parameter bytes after the steps, in ``module.parameters()`` order: equal on
+    every rank of a replicated strategy, unless the replicas diverged (a gradient that was not all-reduced)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for p in prep.module.parameters():
+        t = _local(p).detach().contiguous().cpu()
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def global_mean(loss) -> float:
     """The global batch's mean loss: the average over all ranks of each rank's reported loss. Each rank
     reports the mean over the rows it read (its data-parallel slice; pipeline and tensor-parallel peers report
@@ -128,6 +142,7 @@ def run(cfg: dict) -> dict:
         "n_params": sum(p.numel() for p in build_model(cfg["model"], meta=True).parameters()),
         "dist_world_size": seen_world, "contender_world_size": prep.world_size, "wrapper": prep.wrapper,
         "threads": torch.get_num_threads(), "notes": prep.notes, "precision": prep.precision, **state_bytes(prep),
+        "param_digest": param_digest(prep),
     }
     if cfg.get("track", True):
         out["tracked_peak"] = tracked_peak(prep, local(data[total]))

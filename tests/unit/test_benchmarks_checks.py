@@ -63,3 +63,21 @@ def test_overhead_ratio_is_loom_over_hand_written_median():
     loss_checks([ref, loom])
     (ov,) = headlines([ref, loom])["overhead"]
     assert ov["valid"] and abs(ov["ratio"] - 1.25) < 1e-9  # the warm-up step (9 s) is not timed
+
+
+def test_diverged_replicas_are_flagged():  # each rank stepped on its own gradient (no all-reduce)
+    la = _launch(wrapper="DistributedDataParallel", param_bytes=FULL, optim=2 * FULL)
+    la["ranks"][0]["param_digest"], la["ranks"][1]["param_digest"] = "aa", "bb"
+    r = row("accelerate_:accel_ddp", [la], CFG, 2)
+    assert any(c.startswith("replicas diverged") for c in r["checks"]), r["checks"]
+    same = _launch(wrapper="DistributedDataParallel", param_bytes=FULL, optim=2 * FULL)
+    for rk in same["ranks"]:
+        rk["param_digest"] = "aa"
+    assert row("accelerate_:accel_ddp", [same], CFG, 2)["checks"] == []
+
+
+def test_a_round_that_failed_invalidates_the_row():  # a crash in round 2 must not leave a "valid" row
+    good = _launch()
+    r = row("torch_native:torch_fsdp2_zero3", [good, {"error": "rank 1: RuntimeError: gloo timeout"}], CFG, 2)
+    assert r["rounds_failed"] == 1
+    assert any("failed in 1 of 2 rounds: rank 1: RuntimeError" in c for c in r["checks"]), r["checks"]
