@@ -15,7 +15,7 @@ def _run(args, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     p = subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, f"exit {p.returncode}\n" + p.stdout[-3000:] + p.stderr[-3000:]
     return p
 
 
@@ -41,13 +41,14 @@ def test_compare_smoke_runs_both_contenders_and_their_checks(tmp_path):
 
 
 def test_compare_ckpt_smoke_saves_kills_and_restores(tmp_path):
-    _run(["compare-ckpt", "--smoke", "--out", str(tmp_path)], tmp_path)
+    p = _run(["compare-ckpt", "--smoke", "--out", str(tmp_path)], tmp_path)
     result = json.loads((tmp_path / "compare_ckpt.json").read_text())
-    assert result["checks"]["world_size_ok"] is True
+    log = "\n--- run output ---\n" + p.stdout[-3000:] + p.stderr[-3000:]  # every failure says what the run said
+    assert result["checks"]["world_size_ok"] is True, json.dumps(result["checks"]) + log
     flash = result["contenders"]["torchloom flash"]
-    assert not flash.get("error"), flash["error"]
-    assert flash["stall_s"]["n"] >= 1 and flash["stall_s"]["median"] > 0
+    assert not flash.get("error"), str(flash["error"]) + log
+    assert flash["stall_s"]["n"] >= 1 and flash["stall_s"]["median"] > 0, json.dumps(flash["stall_s"]) + log
     restore = flash["restore"]
-    assert restore["state_matches_saved"] is True and not restore["errors"], restore
-    assert not result["contenders"]["dcp sync"].get("error")
+    assert restore["state_matches_saved"] is True and not restore["errors"], json.dumps(restore) + log
+    assert not result["contenders"]["dcp sync"].get("error"), str(result["contenders"]["dcp sync"]) + log
     assert (tmp_path / "compare_ckpt.md").read_text().strip()
