@@ -69,8 +69,10 @@ def headline_lines(h: dict) -> list[str]:
     for v in h["vs_peers"]:
         same = (f"; same strategy {v['same_strategy']}: {v['same_strategy_ratio']:.3f}×"
                 if v["same_strategy"] else "")
+        prec = (f"; best at {v['peer_precision']} {v['loom_best_same_precision']}: {v['same_precision_ratio']:.3f}×"
+                if v.get("loom_best_same_precision") and v["loom_best_same_precision"] != v["loom_best"] else "")
         out.append(f"- {v['peer']} best = {v['peer_best']}: torchloom best ({v['loom_best']}) "
-                   f"{v['best_ratio']:.3f}×{same}")
+                   f"{v['best_ratio']:.3f}×{prec}{same}")
     return out
 
 

@@ -161,8 +161,14 @@ def headlines(rows: list[dict]) -> dict:
             if peers:
                 p = min(peers, key=lambda r: r["step_s_median"])
                 same = next((r for r in loom if r["strategy"] == p["strategy"]), None)
+                # the peer may offer no bf16 configuration here: compare at its precision too
+                prec = [r for r in loom if r["precision"] == p["precision"]]
+                bp = min(prec, key=lambda r: r["step_s_median"]) if prec else None
                 h["vs_peers"].append({"peer": fam, "peer_best": p["contender"], "loom_best": best["contender"],
                                       "best_ratio": best["step_s_median"] / p["step_s_median"],
+                                      "peer_precision": p["precision"],
+                                      "loom_best_same_precision": bp["contender"] if bp else None,
+                                      "same_precision_ratio": bp["step_s_median"] / p["step_s_median"] if bp else None,
                                       "same_strategy": same["contender"] if same else None,
                                       "same_strategy_ratio": same["step_s_median"] / p["step_s_median"] if same else None})
     return h
