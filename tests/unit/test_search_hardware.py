@@ -269,4 +269,6 @@ def test_four_ranks_group_sizes_and_nodes():
     for kind in COLLECTIVES:
         for g in (2, 4):
             (_, t0), (_, t1) = one.intra[kind][g].points
-            assert 0 < t0 < t1, (kind, g)
+            # non-decreasing by contract (microbench.collective_points: suffix minimum), so equal when the larger
+            # message happened to be measured faster (seen in CI: both 0.01436 s); strictly larger was a flake
+            assert 0 < t0 <= t1, (kind, g)
