@@ -198,7 +198,7 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
     for kind in COLLECTIVES:
         (b0, t0), (b1, t1) = hw.intra[kind][ranks].points
         assert (b0, b1) == (4 * KiB, 8 * MiB)
-        assert 0 < t0 < t1, (kind, t0, t1)  # a 2000x larger message takes longer
+        assert 0 < t0 <= t1, (kind, t0, t1)  # non-decreasing by contract (suffix minimum); a noisy small one can tie
     assert hw.fingerprint == calibrate.fingerprint()
 
 
