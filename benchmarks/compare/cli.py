@@ -23,6 +23,41 @@ def _qualify(name: str) -> str:
     return f"{FAMILIES[name.split('_')[0]]}:{name}"
 
 
+def _validate(ap, args) -> None:
+    """Bad input is an error that names the valid values (not a traceback, not a silently smaller batch)."""
+    from .common import MODELS
+    from .summary import contender_spec
+
+    for m in (args.models or "").split(","):
+        if m and m not in MODELS:
+            ap.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
+    try:
+        worlds = [int(w) for w in args.worlds.split(",")]
+    except ValueError:
+        ap.error(f"--worlds must be a comma list of integers, got {args.worlds!r}")
+    for w in worlds:
+        if w < 1:
+            ap.error(f"--worlds: a process count must be >= 1, got {w}")
+        if args.global_batch % w:
+            ap.error(f"--global-batch {args.global_batch} is not divisible by {w} processes: every rank must get "
+                     "the same number of sequences (or the run would train fewer tokens than it reports)")
+    if args.contenders:
+        for c in args.contenders.split(","):
+            try:
+                contender_spec(_qualify(c))
+            except (KeyError, ModuleNotFoundError, AttributeError):
+                ap.error(f"unknown contender {c!r}; choose from {', '.join(sorted(_known()))}")
+
+
+def _known() -> list[str]:
+    import importlib
+
+    names = []
+    for mod in FAMILIES.values():
+        names += list(importlib.import_module(f"benchmarks.compare.{mod}").CONTENDERS)
+    return names
+
+
 def parse(argv):
     ap = argparse.ArgumentParser(prog="python -m benchmarks compare", description=__doc__)
     ap.add_argument("--models", default="default,llama36m", help="comma list of benchmarks.compare.common.MODELS")
@@ -39,6 +74,7 @@ def parse(argv):
     ap.add_argument("--smoke", action="store_true",
                     help="CI smoke: tiny model, 2 ranks, torch_ddp vs loom_ddp, 2 steps, 1 round (< 60 s)")
     args = ap.parse_args(argv)
+    _validate(ap, args)
     if args.smoke:
         args.models, args.worlds, args.rounds, args.steps, args.warmup = "tiny", "2", 1, 2, 1
         args.contenders = args.contenders or ",".join(SMOKE)

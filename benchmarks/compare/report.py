@@ -59,7 +59,8 @@ def headline_lines(h: dict) -> list[str]:
     for o in h["overhead"]:
         out.append(f"- {o['strategy']}: **{o['ratio']:.3f}×** (rounds {o['round_ratio_min']:.3f}–"
                    f"{o['round_ratio_max']:.3f})" + ("" if o["valid"] else " — a check failed, see the table"))
-    out += ["", "ZeRO-3 + activation checkpointing + bf16 vs DDP fp32 (same global batch; cut = DDP ÷ ZeRO-3):", ""]
+    if h["zero3_ac_bf16_vs_ddp"]:
+        out += ["", "ZeRO-3 + activation checkpointing + bf16 vs DDP fp32 (same global batch; cut = DDP ÷ ZeRO-3):", ""]
     for z in h["zero3_ac_bf16_vs_ddp"]:
         out.append(f"- {z['family']}: tracked peak cut {_f(z['tracked_peak_cut'], '.2f')}×, params+optimizer "
                    f"bytes cut {z['state_bytes_cut']:.2f}×, peak RSS cut {z['train_rss_cut']:.2f}× "

@@ -81,3 +81,17 @@ def test_a_round_that_failed_invalidates_the_row():  # a crash in round 2 must n
     r = row("torch_native:torch_fsdp2_zero3", [good, {"error": "rank 1: RuntimeError: gloo timeout"}], CFG, 2)
     assert r["rounds_failed"] == 1
     assert any("failed in 1 of 2 rounds: rank 1: RuntimeError" in c for c in r["checks"]), r["checks"]
+
+
+def test_bad_command_lines_are_clear_errors(capsys):
+    import pytest
+
+    from benchmarks.compare.cli import parse
+
+    for argv, says in ((["--contenders", "torch_ddp,nope"], "unknown contender 'nope'; choose from"),
+                       (["--worlds", "0"], "must be >= 1"), (["--models", "nosuch"], "unknown model 'nosuch'"),
+                       (["--global-batch", "3", "--worlds", "2"], "not divisible by 2 processes")):
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert says in capsys.readouterr().err, argv
+    assert parse(["--smoke"]).contenders == "torch_native:torch_ddp,loom:loom_ddp"
