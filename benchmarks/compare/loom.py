@@ -32,7 +32,7 @@ def _loom(strategy, search_options=None):
         res = torchloom.auto_accelerate(
             model, torch.optim.AdamW, None, None, strategy=strategy, optim_args=dict(OPTIM_ARGS),
             dataloader_args={"batch_size": cfg["global_batch"]}, model_input_format="unpack_dict",
-            search=dict(search) if search else None)
+            search=search or None)
         accum = res.grad_accum_steps  # > 1 only when the search picks a smaller micro-batch (same global batch)
         dp_rank, dp_size = res.mesh.dp_rank, res.mesh.dp_size  # tp/pp peers read the same rows
 
@@ -57,8 +57,7 @@ def _loom(strategy, search_options=None):
                  for e in entries] or str(res.strategy)
         wrapper = type(res.model).__name__ + (f" ({units} FSDP units)" if units else "")
         notes = [f"strategy: {names}", f"world (mesh): {res.mesh.dims}",
-                 f"micro-batch {cfg['global_batch'] // max(1, accum * res.mesh.dp_size)} x {accum} accumulation "
-                 "step(s) per rank"] + list(res.notes)
+                 f"micro-batch {res.micro_batch_size} x {accum} accumulation step(s) per rank"] + list(res.notes)
         inner = getattr(res.optimizer, "optim", res.optimizer)  # zero1 keeps this rank's shard in .optim
         bf16 = any(e.name in ("amp", "half") and "bfloat16" in str(getattr(e.config, "dtype", ""))
                    for e in entries)

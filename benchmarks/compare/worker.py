@@ -119,6 +119,7 @@ def run(cfg: dict) -> dict:
     data = global_batches(cfg["model"], cfg["global_batch"], total + 1)
     model = build_model(cfg["model"], seed=0, meta=contender.meta)
     full_param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # meta tensors have sizes
+    n_params = sum(p.numel() for p in model.parameters())  # before setup: wrappers may shard or replace them
     t0 = time.perf_counter()
     prep = contender.setup(model, {**cfg, "rank": rank, "world": world})
     setup_s = time.perf_counter() - t0
@@ -139,7 +140,7 @@ def run(cfg: dict) -> dict:
     out = {
         "rank": rank, "world": world, "setup_s": setup_s, "step_s": times, "loss": losses,
         "setup_peak_rss": setup_peak_rss, "train_peak_rss": train_peak_rss, "full_param_bytes": full_param_bytes,
-        "n_params": sum(p.numel() for p in build_model(cfg["model"], meta=True).parameters()),
+        "n_params": n_params,
         "dist_world_size": seen_world, "contender_world_size": prep.world_size, "wrapper": prep.wrapper,
         "threads": torch.get_num_threads(), "notes": prep.notes, "precision": prep.precision, **state_bytes(prep),
         "param_digest": param_digest(prep),

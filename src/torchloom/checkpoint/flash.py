@@ -292,7 +292,7 @@ class FlashCheckpointer:
         slot.write(tensors, header, ts.encode_rng())
         other = self.slots[1 - slot.index]
         persisting = self._inflight is not None and self._inflight[0] == other.index
-        if (other._buf is None or other._buf.numel() < slot.last_nbytes) and not persisting:
+        if not other.holds(slot.last_nbytes) and not persisting:
             # Allocate the other buffer now, so the next save only copies. Growing zero-fills it: never while
             # the saver still reads it (a state that grew, e.g. AdamW's moments after the first step, would
             # persist zeros); it then grows at its own next write. Faulting in ~1 s/GB of pages runs in a

@@ -52,9 +52,13 @@ class Slot:
         self._buf: torch.Tensor | None = None
 
     # -- writing (the training process) -----------------------------------------------------------
+    def holds(self, nbytes: int) -> bool:
+        """Whether the mapped buffer already has room for ``nbytes`` bytes (no growing, no zero-filling)."""
+        return self._buf is not None and self._buf.numel() >= nbytes
+
     def _buffer(self, nbytes: int) -> torch.Tensor:
         """The mapped byte buffer, (re)allocated only when it must grow (so it is reused across saves)."""
-        if self._buf is None or self._buf.numel() < nbytes:
+        if not self.holds(nbytes):
             self.dir.mkdir(parents=True, exist_ok=True)
             self._buf = None
             with open(self.data_path, "ab") as f:
@@ -67,7 +71,7 @@ class Slot:
         """Preallocate (and fault in) at least ``nbytes`` bytes of shared memory for this slot. Growing the
         buffer zero-fills it, so a snapshot it held is invalidated first (never call it on a slot a saver
         is reading)."""
-        if self._buf is None or self._buf.numel() < nbytes:
+        if not self.holds(nbytes):
             self.invalidate()
         self._buffer(nbytes)
 
