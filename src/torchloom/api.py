@@ -68,6 +68,7 @@ class AccelerateResult:
     notes: list[str] = field(default_factory=list)
     replica_monitor: Any = None
     search: Any = None
+    _trackers: Any = field(default=None, init=False, repr=False)  # TrackerGroup of init_trackers / the first log
 
     def check_replicas(self, raise_error: bool = True):
         """Compare the parameters of every data-parallel replica now (a collective: call it on every rank at
@@ -83,6 +84,60 @@ class AccelerateResult:
         """Loss of one batch without backward (for evaluation); runs the model as ``train_step`` does.
         See :meth:`TrainStep.eval_loss`."""
         return self.train_step.eval_loss(batch)
+
+    # -- experiment tracking (torchloom.tracking; docs/hf.md, "Trackers and main-process helpers") ------------
+    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None, log_with: Any = "jsonl",
+                      logging_dir: Any = None, init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        """Start the trackers :meth:`log` writes to (on the global main process; the other ranks only check).
+
+        Args:
+            project_name: the run's name and directory under ``logging_dir``.
+            config: hyper-parameters to record (JSONL: ``config.json``; TensorBoard: a text summary; MLflow:
+                params; W&B: ``run.config``).
+            log_with: ``"jsonl"`` (default), ``"tensorboard"``, ``"mlflow"``, ``"wandb"``, ``"all"``, a
+                :class:`torchloom.tracking.Tracker` instance, or a list of these.
+            logging_dir: root directory (default ``./torchloom_logs``).
+            init_kwargs: per back end, arguments of its tracker (e.g. ``{"wandb": {"name": "run-1"}}``).
+
+        Raises:
+            RuntimeError: trackers are already running (call :meth:`end_training` first).
+            ValueError / TypeError / ImportError: see :func:`torchloom.tracking.start_trackers`.
+        """
+        from .tracking import start_trackers
+
+        if self._trackers is not None and not self._trackers.closed:
+            raise RuntimeError("init_trackers() called while trackers are running; call end_training() first.")
+        self._trackers = start_trackers(project_name, config=config, log_with=log_with, logging_dir=logging_dir,
+                                        init_kwargs=init_kwargs)
+
+    def log(self, values: dict[str, Any], step: int) -> None:
+        """Log scalars at ``step`` to every tracker (written on the global main process only; no communication,
+        so call it on every rank or on rank 0 alone). Without :meth:`init_trackers`, the first call starts a
+        JSONL tracker in ``./torchloom_logs/run-<UTC time>/`` and warns once with the path.
+
+        Args:
+            values: ``{name: python number or 0-dim tensor}`` (a CUDA tensor syncs on the main process).
+            step: ``int >= 0`` (e.g. the optimizer step).
+
+        Raises:
+            TypeError: a non-scalar value (named), a non-int step. ValueError: a negative step.
+            RuntimeError: after :meth:`end_training`.
+        """
+        if self._trackers is None:
+            from .tracking.group import start_default_trackers
+
+            self._trackers = start_default_trackers()
+        self._trackers.log(values, step)
+
+    def get_tracker(self, name: str) -> Any:
+        """The running tracker called ``name`` (e.g. ``"wandb"``: ``.run`` is the W&B run), or None (also on
+        ranks other than the main process)."""
+        return self._trackers.get(name) if self._trackers is not None else None
+
+    def end_training(self) -> None:
+        """Flush and close every tracker (call it on every rank; a no-op without trackers)."""
+        if self._trackers is not None:
+            self._trackers.finish()
 
 
 def auto_accelerate(
@@ -212,6 +267,10 @@ def auto_accelerate(
     for fn in ctx.post_apply:
         fn(ctx)
     install_fsdp_zero_fill(ctx.model_parts)  # ranks that skip a branch must not desync FSDP's reduce-scatter
+    from .hf.save import route_save_pretrained  # HF's own save_pretrained cannot read sharded (DTensor) weights
+
+    if route_save_pretrained(ctx.model):
+        ctx.note("save_pretrained of the sharded model goes through torchloom.hf.save_pretrained (collective)")
     for holder in {id(m): m for m in (ctx.model, *ctx.model_parts)}.values():
         holder._torchloom_param_groups = ctx.param_groups  # which mesh each group lives on (param_groups_of)
 

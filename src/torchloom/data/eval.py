@@ -17,6 +17,7 @@ batches, and the reductions run over the data-parallel group, so nothing is coun
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -201,7 +202,9 @@ class EvalLoader:
         return filler if filler is not None else box[0]
 
     def _set(self, k: int, counts: list[int], rows: int) -> None:
+        global _ACTIVE
         self.step, self._counts, self.rows, self.num_valid = k, list(counts), rows, counts[self.dp_rank]
+        _ACTIVE = weakref.ref(self)  # torchloom.gather_for_metrics(values) without loader= finds it
 
     # -- metrics ---------------------------------------------------------------------------------------------
     @property
@@ -298,6 +301,15 @@ class EvalLoader:
         if values.dim() == 0 or values.shape[0] != self.rows:
             raise DataError(f"expected a per-row tensor with {self.rows} rows in dim 0 (the batch just yielded, "
                             f"{self.num_valid} of them real), got shape {tuple(values.shape)}.")
+
+
+_ACTIVE: weakref.ref[EvalLoader] | None = None
+
+
+def last_eval_loader() -> EvalLoader | None:
+    """The :class:`EvalLoader` that yielded the last batch on this process, if it is still inside its loop."""
+    loader = _ACTIVE() if _ACTIVE is not None else None
+    return loader if loader is not None and loader.step >= 0 else None
 
 
 def _flatten(values: Any) -> tuple[list[torch.Tensor], Any]:

@@ -1,4 +1,5 @@
-"""Training metrics: peak memory per rank, model FLOPs and MFU, and the JSON-lines writer.
+"""Training metrics: peak memory per rank, model FLOPs and MFU; the JSON-lines writer
+(:class:`MetricsWriter`) now lives in :mod:`torchloom.tracking.jsonl` and is re-exported here.
 
 Peak memory: on accelerators ``torch.<device>.max_memory_allocated()`` (reset each step); on CPU, where
 that returns 0, the process's peak resident set size (``VmHWM`` in ``/proc/self/status``), reset each
@@ -15,14 +16,13 @@ dense peak for known GPUs; ``peak_flops_source`` records which.
 """
 from __future__ import annotations
 
-import json
-import os
 import re
 import time
-from pathlib import Path
-from typing import Any
 
 import torch
+
+# the JSON-lines writer is shared with the trackers (res.log, docs/hf.md); re-exported here for loom train
+from torchloom.tracking.jsonl import MetricsWriter, read_metrics  # noqa: F401
 
 # dense (no sparsity) peak FLOP/s per GPU: {name fragment: {dtype: flops}}; first match wins.
 GPU_PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
@@ -159,54 +159,3 @@ def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> tupl
                 return table[dname], f"table:{name}:{dname}"
     flops = measure_matmul_flops(device, dtype)
     return flops, f"measured:{device.type}_matmul_{dname}_threads{torch.get_num_threads()}"
-
-
-# ---------------------------------------------------------------------------------------- writer
-class MetricsWriter:
-    """Appends JSON records to ``path`` (rank 0 only; other ranks pass ``enabled=False``)."""
-
-    def __init__(self, path: str | os.PathLike, enabled: bool = True):
-        self.path = Path(path)
-        self.enabled = enabled
-        self._f = None
-        if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "a", encoding="utf-8")
-
-    def truncate_after(self, step: int) -> int:
-        """Drop records with ``step > step`` (work redone after a resume); returns how many were dropped."""
-        if not self.enabled or not self.path.exists():
-            return 0
-        self._f.close()
-        keep, dropped = [], 0
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                dropped += 1  # a torn last line from a killed run
-                continue
-            if rec.get("step", 0) > step:
-                dropped += 1
-            else:
-                keep.append(line)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-        os.replace(tmp, self.path)
-        self._f = open(self.path, "a", encoding="utf-8")
-        return dropped
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self._f is None:
-            return
-        self._f.write(json.dumps(record, allow_nan=True) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of a ``metrics.jsonl`` file."""
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
