@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import torchloom
 import torchloom.main_process as mp
+import torchloom.tracking
 from torchloom.data import eval_loader
 
 
@@ -81,11 +82,29 @@ def main_process_checks(tmp: str) -> dict:
         res.log({"loss": 1.0}, 0)  # no init_trackers: the default JSONL tracker
     r["default_warned"] = sum("init_trackers" in str(x.message) for x in w)
     res.end_training()
-    res.init_trackers("proj", config={"lr": 0.1}, log_with=["jsonl", "tensorboard"], logging_dir=tmp / "logs")
+    mine = Recorder()  # every rank builds one; only rank 0's may be called
+    res.init_trackers("proj", config={"lr": 0.1}, log_with=["jsonl", mine], logging_dir=tmp / "logs")
     torch.manual_seed(rank)
     for step in range(3):
         loss = res.train_step(torch.randn(4, 4))
         res.log({"loss": loss, "rank": rank}, step)
     r["has_tracker"] = res.get_tracker("jsonl") is not None
     res.end_training()
+    r["custom"] = (mine.config, mine.calls, mine.finished)
     return r
+
+
+class Recorder(torchloom.tracking.Tracker):
+    name = "recorder"
+
+    def __init__(self):
+        self.config, self.calls, self.finished = None, [], False
+
+    def store_init_configuration(self, config):
+        self.config = dict(config)
+
+    def log(self, values, step):
+        self.calls.append((values, step))
+
+    def finish(self):
+        self.finished = True

@@ -33,4 +33,5 @@ def test_main_process_helpers_and_log_on_two_ranks(tmp_path):
     recs = read_metrics(tmp_path / "logs" / "proj" / "metrics.jsonl")
     assert [(x["step"], x["rank"]) for x in recs] == [(0, 0), (1, 0), (2, 0)]
     assert all(isinstance(x["loss"], float) for x in recs)
-    assert len(list((tmp_path / "logs" / "proj" / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    assert r0["custom"] == ({"lr": 0.1}, [({"loss": x["loss"], "rank": 0}, x["step"]) for x in recs], True)
+    assert r1["custom"] == (None, [], False)
