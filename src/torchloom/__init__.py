@@ -6,12 +6,15 @@
         loss = res.train_step(batch)
 """
 from .api import AccelerateResult, auto_accelerate
+from .main_process import (gather_for_metrics, is_local_main_process, is_main_process, main_process_first, print,
+                           wait_for_everyone)
 from .errors import (CheckpointError, GradientSyncError, LossScaleError, ReplicaDivergenceError, StrategyError,
                      TorchloomError)
 from .parallel.mesh import ParallelDims, ParallelMesh
 from .replace import register_module_replacement
 from .strategy import Method, Stage, Strategy, register_method
 from .strategy.annotations import replicate, split
+from .tracking import Tracker
 from .train_step import SumLoss, TrainStep
 
 __version__ = "0.1.0"
@@ -20,4 +23,7 @@ __all__ = [
     "auto_accelerate", "AccelerateResult", "Strategy", "Method", "Stage", "register_method", "ParallelDims",
     "ParallelMesh", "replicate", "split", "register_module_replacement", "SumLoss", "TrainStep", "TorchloomError",
     "StrategyError", "CheckpointError", "LossScaleError", "GradientSyncError", "ReplicaDivergenceError",
+    # Accelerate-style helpers (docs/hf.md); `torchloom.print` is left out so `import *` keeps the builtin
+    "is_main_process", "is_local_main_process", "main_process_first", "wait_for_everyone", "gather_for_metrics",
+    "Tracker",
 ]
