@@ -55,6 +55,7 @@ def save(
     scaler_state: dict | None = None,
     train_step: Any = None,
     keep_last: int | None = None,
+    trainable_only: bool = False,
 ) -> Path:
     """Save a training state as ``<root>/step_{step:08d}/`` and return that path (on every rank).
 
@@ -77,9 +78,16 @@ def save(
             loss-scaler state are saved (so ``scaler_state`` is not needed with it).
         keep_last: keep only this many newest complete checkpoints under ``root`` (deleted only after
             this one is committed; the newest complete checkpoint is never deleted). ``None`` keeps all.
+        trainable_only: store of the model only the parameters with ``requires_grad=True`` and every
+            persistent buffer (the frozen base is left out; a LoRA checkpoint is then about the size of the
+            adapters and their optimizer state), plus a fingerprint of the frozen base that :func:`load`
+            checks; :func:`load` then loads on top of a base model already in place. See
+            :mod:`torchloom.checkpoint.trainable` and "Trainable-only checkpoints" in ``docs/checkpoint.md``.
 
     Raises:
-        CheckpointError: on every rank, if any rank failed (nothing is committed then).
+        CheckpointError: on every rank, if any rank failed (nothing is committed then); with
+            ``trainable_only``, also if the model has no trainable parameter or a frozen parameter has
+            optimizer state (it was trained: its value would be lost).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
@@ -88,7 +96,9 @@ def save(
     commit.step_dirname(step)
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
         raise CheckpointError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
-    live = ts.Live(model, optimizer, lr_scheduler, dataloader, train_step)
+    if not isinstance(trainable_only, bool):
+        raise CheckpointError(f"trainable_only must be a bool, got {trainable_only!r}")
+    live = ts.Live(model, optimizer, lr_scheduler, dataloader, train_step, trainable_only=trainable_only)
     # The document first: a value JSON cannot hold fails here, before anything is written.
     doc = ts.encode_document(live, step=step, extra=extra, scaler_state=scaler_state)
     tmp = commit.begin_save(root, step)
@@ -192,6 +202,12 @@ def load(
     the state saved by rank ``r % saved_world_size``. ``train_step`` gets its counters and loss-scaler
     state back (its accumulation may differ from the saving run's). The optimizer gets exactly the saved
     state: frozen parameters keep theirs, parameters saved without state have none.
+
+    A trainable-only checkpoint (``save(..., trainable_only=True)``, recorded in its document) loads on
+    top of the base model already in ``model``: frozen parameters are left as they are. ``strict=True``
+    raises if the model's trainable parameters are not exactly the saved ones, or if its frozen base
+    differs from the saving run's (names, shapes, dtypes, value sums); ``strict=False`` warns and loads
+    the overlap (:mod:`torchloom.checkpoint.trainable`).
 
     Returns:
         ``{"step": int, "extra": dict, "scaler_state": dict | None, "path": Path}``

@@ -502,7 +502,11 @@ def run_everywhere(fn: Callable[[], Any], what: str) -> Any:
         errs = [err]
     failed = [(r, m) for r, m in enumerate(errs) if m is not None]
     if failed:
-        detail = "; ".join(f"rank {r}: {m[0]}" for r, m in failed)
+        same: dict[str, list[int]] = {}  # one message per distinct error (ranks usually agree on it)
+        for r, m in failed:
+            same.setdefault(m[0], []).append(r)
+        detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {msg}"
+                           for msg, rs in same.items())
         cls = CorruptCheckpointError if all(m[1] for _r, m in failed) else CheckpointError
         exc = cls(f"{what} failed on {len(failed)} rank(s): {detail}")
         if err is not None:

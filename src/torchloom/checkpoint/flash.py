@@ -105,6 +105,9 @@ class FlashCheckpointer:
             root>``; node-local memory, so a restart on the same node finds them).
         saver_timeout_s: seconds the savers' process group waits for a peer, and the longest a new
             checkpointer waits for the savers of a previous (crashed) run to finish.
+        trainable_only: snapshots (shared memory and disk) hold of the model only the trainable parameters
+            and the buffers, as :func:`~torchloom.checkpoint.save` with ``trainable_only=True``; loading
+            (memory or disk) checks the trainable set and the frozen base the same way.
 
     Raises:
         CheckpointError: invalid arguments, a ZeRO optimizer, or a saver that failed or died.
@@ -113,7 +116,7 @@ class FlashCheckpointer:
     def __init__(self, root: str | os.PathLike, *, model: nn.Module, optimizer: Any = None,
                  lr_scheduler: Any = None, dataloader: Any = None, train_step: Any = None,
                  keep_last: int | None = None, on_busy: str = "wait", shm_dir: str | os.PathLike | None = None,
-                 saver_timeout_s: float = 300.0):
+                 saver_timeout_s: float = 300.0, trainable_only: bool = False):
         if on_busy not in ON_BUSY:
             raise CheckpointError(f"on_busy must be one of {ON_BUSY}, got {on_busy!r}")
         if optimizer is not None and is_zero_optimizer(optimizer):
@@ -121,6 +124,9 @@ class FlashCheckpointer:
                                   "torchloom.checkpoint.save (blocking) or FSDP (zero2/zero3)")
         if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
             raise CheckpointError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+        if not isinstance(trainable_only, bool):
+            raise CheckpointError(f"trainable_only must be a bool, got {trainable_only!r}")
+        self.trainable_only = trainable_only
         self.root = Path(root).resolve()
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.dataloader, self.train_step = dataloader, train_step
@@ -271,7 +277,8 @@ class FlashCheckpointer:
         return True
 
     def _live(self) -> ts.Live:
-        return ts.Live(self.model, self.optimizer, self.lr_scheduler, self.dataloader, self.train_step)
+        return ts.Live(self.model, self.optimizer, self.lr_scheduler, self.dataloader, self.train_step,
+                       trainable_only=self.trainable_only)
 
     def _snapshot(self, slot: Slot, step: int, extra: dict | None, scaler_state: dict | None) -> None:
         live = self._live()

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torchloom.checkpoint import optimizer_state
+from torchloom.checkpoint import optimizer_state, trainable
 from torchloom.checkpoint.commit import CorruptCheckpointError, run_everywhere
 from torchloom.checkpoint.state import (
     _holds_part_of_model,
@@ -73,6 +73,7 @@ class Live:
     lr_scheduler: Any = None
     dataloader: Any = None
     train_step: Any = None
+    trainable_only: bool = False  # save: the model's frozen parameters are left out (trainable.py)
 
     def optimizers(self) -> tuple:
         return _optimizers(self.optimizer)
@@ -95,6 +96,9 @@ def encode_tensors(live: Live) -> dict[str, Any]:
 
     opts = live.optimizers()
     out: dict[str, Any] = {"model": get_model_state_dict(live.model)}
+    if live.trainable_only:
+        keep = trainable.saved_model_keys(live.model, set(out["model"]))
+        out["model"] = {k: v for k, v in out["model"].items() if k in keep}
     if opts and is_zero_optimizer(opts[0]):
         zero = opts[0]
         rank, world = _rank_world()
@@ -184,8 +188,13 @@ def restore_tensors(live: Live, catalogue: dict[str, tuple[tuple, bool]],
                               f"which a ZeRO optimizer cannot load; load the model only (optimizer=None)")
 
     msd = get_model_state_dict(live.model)
+    partial = doc.get(trainable.RECORD)  # a trainable-only checkpoint: the frozen base stays as it is
+    want = set(msd)
+    if partial:
+        trainable.check_load(partial, live.model, set(model_keys), strict=strict, where=where, per_rank=per_rank)
+        want = trainable.saved_model_keys(live.model, want)
     if strict:  # collective for pipeline stages; the same verdict on every rank
-        _check_model_keys(live, set(msd), set(model_keys), where, per_rank=per_rank)
+        _check_model_keys(live, want, set(model_keys), where, per_rank=per_rank)
     ties = [[n for n in g if n in msd and n in model_keys] for g in tied_groups(live.model)]
 
     # Local phases run through run_everywhere: an error on some ranks (e.g. one pipeline stage's optimizer
@@ -208,7 +217,7 @@ def restore_tensors(live: Live, catalogue: dict[str, tuple[tuple, bool]],
 
     def _set() -> None:
         set_model_state_dict(live.model, {k: loaded[k] for k in msd if k in loaded},
-                             options=StateDictOptions(strict=strict))
+                             options=StateDictOptions(strict=strict and not partial))
         if full_optim is not None:
             zero.load_state_dict(_zero_state_from_fqn(live.model, zero, full_optim))
         elif opts and optim_cat and zero is None:
@@ -282,6 +291,8 @@ def encode_document(live: Live, *, step: int, extra: dict | None = None,
         "train_step": enc["train_step"],
         "extra": enc["extra"],
         "tied_params": tied_groups(live.model),
+        # {"params": trainable names, "frozen": fingerprint of the frozen base} or None (a full checkpoint)
+        trainable.RECORD: trainable.record(live) if live.trainable_only else None,
     }
     dls = [d for d, _e in per_rank]
     if live.dataloader is None:

@@ -130,13 +130,17 @@ class CheckpointConfig:
     to shared memory and a background saver writes them to disk. memory_interval: with blocking false,
     also take an in-memory snapshot every N steps (0 = none; a restart after a crash resumes from it).
     on_busy: a flash save requested while the previous one is still being written waits ("wait") or is
-    skipped and logged ("skip")."""
+    skipped and logged ("skip"). trainable_only: store only the parameters with requires_grad (and all
+    buffers) plus their optimizer state; a resume loads them on top of the freshly built base model and
+    checks that the base is the same (docs/checkpoint.md, "Trainable-only checkpoints"). The job's own
+    model trains every parameter, so its checkpoints keep their size; the key matters for frozen ones."""
 
     interval: int = 100
     keep_last: int | None = 2
     blocking: bool = True
     memory_interval: int = 0
     on_busy: str = "wait"
+    trainable_only: bool = False
 
 
 @dataclass

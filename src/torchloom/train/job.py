@@ -489,6 +489,7 @@ class Job:
             dataloader=res.dataloader, train_step=res.train_step, keep_last=self.cfg.checkpoint.keep_last,
             extra={"tokens_seen": self.tokens_seen, "train_time_s": self.train_time,
                    "initial_eval_loss": self.initial_eval_loss, "last_eval_loss": self.last_eval_loss},
+            trainable_only=self.cfg.checkpoint.trainable_only,
         )
         stall = time.perf_counter() - t
         self.goodput.event("save", attempt=self.attempt, step=step, stall_s=stall)
@@ -549,7 +550,7 @@ class Job:
             self.flash = FlashCheckpointer(
                 self.ckpt_root, model=res.model, optimizer=res.optimizer, lr_scheduler=res.lr_scheduler,
                 dataloader=res.dataloader, train_step=res.train_step, keep_last=cfg.checkpoint.keep_last,
-                on_busy=cfg.checkpoint.on_busy)
+                on_busy=cfg.checkpoint.on_busy, trainable_only=cfg.checkpoint.trainable_only)
         start = self.maybe_resume()
         agreed = [start] * self.world
         dist.all_gather_object(agreed, start)
