@@ -293,7 +293,7 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike) -> Path:
     lowest rank holding a name sends it to rank 0, so the file holds the whole model.
     """
     path = Path(path)
-    sd = _pipelined_full_state(model) if _is_pipelined(model) else full_model_state(model)
+    sd = gather_full_state(model)
     groups = tied_groups(model)
 
     def _write() -> str:
@@ -301,6 +301,18 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike) -> Path:
         return str(_write_safetensors(tensors, tied, path))
 
     return Path(commit.broadcast_from_rank0(_write))
+
+
+def gather_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's full (unsharded) CPU state dict on rank 0 (``{}`` on other ranks). Collective.
+
+    Works for every wrapping torchloom produces: plain, DDP, FSDP2 (``fully_shard``: fsdp/zero2/zero3/hsdp),
+    tensor-parallel DTensors, ``torch.compile`` and activation-checkpoint wrappers (keys are the plain
+    model's: no ``module.``/``_orig_mod.``/``_checkpoint_wrapped_module.``), and a pipelined model
+    (``PipelinedModel``: gathered from every stage). Tied names are all present (one entry each). Shared by
+    :func:`export_safetensors` and :func:`torchloom.hf.save_pretrained`.
+    """
+    return _pipelined_full_state(model) if _is_pipelined(model) else full_model_state(model)
 
 
 def _is_pipelined(model: nn.Module) -> bool:
@@ -403,5 +415,5 @@ def export_from_dcp(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
     return _write_safetensors(tensors, tied, Path(out_path))
 
 
-__all__ = ["CorruptCheckpointError", "check", "check_tied_values", "export_from_dcp", "export_safetensors", "load",
-           "load_safetensors", "save"]
+__all__ = ["CorruptCheckpointError", "check", "check_tied_values", "export_from_dcp", "export_safetensors",
+           "gather_full_state", "load", "load_safetensors", "save"]

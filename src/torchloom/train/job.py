@@ -701,9 +701,23 @@ class Job:
                 "expert_tokens": counts.tolist(), "expert_share_min": lo, "expert_share_max": hi}
 
     # -- the end --------------------------------------------------------------------------------------
-    def finish(self, run: dict[str, Any]) -> dict[str, Any] | None:
-        from torchloom import checkpoint
+    def export(self) -> Path:
+        """The final model in Hugging Face format in the output dir (collective; rank 0 writes):
+        ``config.json``, ``generation_config.json``, safetensors weights and the tokenizer
+        (``tokenizer.json`` + ``tokenizer_config.json``), loadable with ``from_pretrained(output_dir)``.
+        Returns the weights file (the index when sharded)."""
+        from transformers import PreTrainedTokenizerFast
 
+        from torchloom.hf import save_pretrained
+
+        from .corpus import EOS
+
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(self.corpus.tokenizer_path), eos_token=EOS)
+        save_pretrained(self.res.model, self.out, tokenizer=tokenizer)
+        index = self.out / "model.safetensors.index.json"
+        return index if index.exists() else self.out / "model.safetensors"
+
+    def finish(self, run: dict[str, Any]) -> dict[str, Any] | None:
         cfg, writer = self.cfg, run.pop("writer")
         step, total = run["end_step"], cfg.train.steps
         if step < total:
@@ -722,15 +736,10 @@ class Job:
             self.save(step)
         if self.flash is not None:
             self.flash.finalize()  # the final checkpoint is committed before the job ends
-        weights = checkpoint.export_safetensors(self.res.model, self.out / "model.safetensors")
+        weights = self.export()
         sample = None
-        if self.rank == 0:
-            import shutil
-
-            self.hf_config.save_pretrained(self.out)
-            shutil.copyfile(self.corpus.tokenizer_path, self.out / "tokenizer.json")
-            if cfg.sample.max_new_tokens:
-                sample = generate_sample(self.out, weights, cfg.sample)
+        if self.rank == 0 and cfg.sample.max_new_tokens:
+            sample = generate_sample(self.out, cfg.sample)
         summary = {
             "initial_eval_loss": self.initial_eval_loss, "final_eval_loss": final, "steps": step,
             "resumed_from": run["start_step"] or None, "wall_time_s": time.perf_counter() - self.t_start,
@@ -776,18 +785,18 @@ class Job:
         return summary
 
 
-def generate_sample(out: Path, weights: Path, sc) -> str:
-    """Generate from the exported weights in a plain model on this process (no collectives)."""
+def generate_sample(out: Path, sc) -> str:
+    """Generate from the exported model (``from_pretrained(out)``: Llama, or Mixtral for model.moe) in a plain
+    model on this process (no collectives)."""
     from tokenizers import Tokenizer
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from torchloom.checkpoint import load_safetensors
+    from torchloom.hf.save import no_progress_bars
 
-    config = AutoConfig.from_pretrained(out)  # the exported config.json: Llama, or Mixtral for model.moe
-    config.use_cache = True
-    model = AutoModelForCausalLM.from_config(config)
-    load_safetensors(model, weights)
+    with no_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(out, use_cache=True)
     model.eval()
+    config = model.config
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     ids = torch.tensor([tok.encode(sc.prompt).ids or [config.eos_token_id]])
     torch.manual_seed(sc.seed)

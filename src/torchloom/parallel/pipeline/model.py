@@ -21,6 +21,8 @@ class PipelinedModel(nn.Module):
         pipeline: the :class:`~torchloom.parallel.pipeline.schedule.PipelineDriver` ``train_step`` uses (set
             once every method has run).
         config: the original model's ``config`` (Hugging Face models), or None.
+        generation_config: the original model's ``generation_config``, or None.
+        root_type: the original model's class (``root_class`` is its name).
 
     Calling it raises: a pipelined forward needs every rank at once; use ``train_step(batch)`` or
     ``result.forward_loss(batch)``.
@@ -34,7 +36,9 @@ class PipelinedModel(nn.Module):
         self.parts: list[nn.Module] = []
         self.pipeline: Any = None
         self.config = getattr(merged, "config", None)
+        self.generation_config = getattr(merged, "generation_config", None)
         self.root_class = type(merged).__name__
+        self.root_type = type(merged)  # what torchloom.hf.save_pretrained rebuilds the whole model as
         self._description = description
 
     def forward(self, *args, **kwargs):
