@@ -3,6 +3,9 @@ import sys
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A developer's own `loom config` file (~/.cache/torchloom/default_config.yaml, ./torchloom.yaml) must not change the
+# strategy of tests that pass strategy=None or the ranks of `loom run` tests (docs/config.md); tests of it set their own.
+os.environ.setdefault("TORCHLOOM_CONFIG_FILE", "none")
 # Test modules must be importable by spawned ranks (functions are pickled by qualified name).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -19,6 +19,7 @@ from .parallel.materialize import materialize_meta_model
 from .parallel.mesh import ParallelDims, ParallelMesh, set_current_mesh
 from .parallel.unused_params import install_fsdp_zero_fill
 from .strategy.annotations import has_annotations, strategy_from_annotations
+from .strategy.config_file import default_strategy
 from .strategy.data_parallel import replicating_data_parallel
 from .strategy.strategy import Strategy, StrategyLike
 from .train_step import TrainStep
@@ -169,9 +170,11 @@ def auto_accelerate(
             or :class:`~torchloom.train_step.SumLoss` to normalise by the global item count. None: use the
             model output's ``loss`` (Hugging Face models given ``labels``).
         strategy: list of methods (``["fsdp", ("amp", {"dtype": "bfloat16"})]``, ATorch lists accepted), a
-            :class:`Strategy`, a JSON/YAML file path, or None (plain data parallel). A model annotated with
-            ``torchloom.replicate``/``split`` scopes gives its own strategy; one given here is merged into it
-            (see :func:`torchloom.strategy.annotations.strategy_from_annotations`, docs/annotations.md).
+            :class:`Strategy`, a JSON/YAML file path, or None: the ``loom config`` file's strategy when there
+            is one (noted in ``res.notes``; docs/config.md), else plain data parallel (``[]``: always plain data
+            parallel, no file read). A model annotated with ``torchloom.replicate``/``split`` scopes gives its
+            own strategy; one given here is merged into it (see
+            :func:`torchloom.strategy.annotations.strategy_from_annotations`, docs/annotations.md).
         optim_args: keyword arguments of ``optim_func`` (e.g. ``{"lr": 3e-4}``).
         dataloader_args: ``DataLoader`` arguments; ``batch_size`` is the **global** batch (samples per
             optimizer step over all data-parallel ranks). ``micro_batch_size`` (per rank) may be given too;
@@ -222,6 +225,7 @@ def auto_accelerate(
                          f"{check_replicas_every!r}.")
     check_replicas_every = check_replicas_every or None  # 0 = off, as in loom train's config
     device = init_distributed()
+    strategy, config_note = default_strategy(strategy, model)  # None: a `loom config` file's (docs/config.md)
     strategy, dataloader_args, searched = _resolve_search(model, strategy, search, dict(
         optim_func=optim_func, optim_args=optim_args, dataset=dataset, loss_func=loss_func,
         dataloader_args=dataloader_args, model_input_format=model_input_format, prepare_input=prepare_input,
@@ -229,6 +233,8 @@ def auto_accelerate(
     annotated = has_annotations(model)  # replicate/split scopes: they become (or merge into) the strategy
     strategy = strategy_from_annotations(model, _world_size(), strategy) if annotated else Strategy.parse(strategy)
     ctx = AccelContext(model=model, strategy=strategy, device=device)
+    if config_note:
+        ctx.note(config_note)
     if annotated:
         ctx.note(f"annotations: replicate/split scopes give {strategy!r}")
     ctx.on_meta = any(p.is_meta for p in model.parameters())
