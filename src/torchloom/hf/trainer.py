@@ -1,0 +1,510 @@
+"""``TorchloomTrainer``: ``transformers.Trainer`` with torchloom doing the distributed part.
+
+The Trainer keeps what users rely on (``TrainingArguments``, callbacks, ``TrainerState``, logging,
+``checkpoint-N`` directories, ``train(resume_from_checkpoint=...)``); torchloom builds the model, optimizer,
+data loader and ``train_step`` with :func:`torchloom.auto_accelerate`, checkpoints with
+:mod:`torchloom.checkpoint` and exports with :func:`torchloom.hf.save_pretrained`. Accelerate never wraps the
+model, the optimizer or the loader. See docs/hf.md, "transformers.Trainer".
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer, TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, speed_metrics
+
+from torchloom.hf.trainer_args import (TRAINER_STATE_NAME, check_trainer_arguments, newest_checkpoint,
+                                       sampling_shuffle)
+
+__all__ = ["TorchloomTrainer", "TORCHLOOM_CKPT_DIR", "newest_checkpoint"]
+
+TORCHLOOM_CKPT_DIR = "torchloom"  # checkpoint-N/torchloom/step_0000000N: the torchloom training state
+FLASH_DIR = "torchloom_flash"  # <output_dir>/torchloom_flash/step_0000000N: the flash tier's disk copies
+
+
+class TorchloomTrainer(Trainer):
+    """A ``transformers.Trainer`` whose model, optimizer, LR schedule, data and checkpoints are torchloom's.
+
+    Takes every ``Trainer`` argument plus:
+
+    Args:
+        torchloom_strategy: what :func:`torchloom.auto_accelerate` takes as ``strategy``: a list of methods
+            (``["fsdp", "amp", "checkpoint"]``), a :class:`~torchloom.Strategy`, a JSON/YAML file path, or None
+            (DDP when there is more than one data-parallel rank). ``"auto"`` is refused (NotImplementedError):
+            the search picks its own micro-batch; search once and pass the plan file or the strategy it chose.
+        torchloom_loss_func: ``loss_func(batch, output)`` as for ``auto_accelerate`` (a scalar tensor or a
+            :class:`~torchloom.SumLoss`). None: for a causal LM (the Trainer's ``ForCausalLMLoss`` models) the
+            token-exact ``SumLoss.from_hf(output, batch["labels"])``, i.e. the mean over every valid token of the
+            global batch, as the Trainer's ``num_items_in_batch`` normalisation; for other models the output's
+            ``loss`` (a mean per micro-batch). ``lambda batch, output: output.loss`` forces the latter.
+        torchloom_checkpoint: ``"disk"`` (default): :func:`torchloom.checkpoint.save` into
+            ``checkpoint-N/torchloom/`` (blocking). ``"flash"``: :class:`~torchloom.checkpoint.FlashCheckpointer`
+            (the training loop blocks only for a copy into shared memory; the state is persisted in the background
+            to ``<output_dir>/torchloom_flash/step_N``; ``checkpoint-N`` then holds only ``trainer_state.json``; the
+            last save is committed before ``train()`` returns).
+        torchloom_args: more keyword arguments for ``auto_accelerate`` (``prepare_input``, ``check_replicas_every``,
+            ``model_input_format`` ...). The ones the TrainingArguments decide (optimizer, batch sizes, seed,
+            ``max_grad_norm``, dataset) are refused here.
+
+    What the TrainingArguments mean here:
+
+    * Batch: ``per_device_train_batch_size`` is torchloom's micro-batch per data-parallel rank; the global batch
+      (samples per optimizer step) is ``per_device_train_batch_size x gradient_accumulation_steps x dp`` with
+      ``dp`` the strategy's data-parallel size (tensor/pipeline peers are not counted). ``train_step``
+      accumulates (no gradient sync inside the window) and steps the optimizer every
+      ``gradient_accumulation_steps`` micro-batches; the Trainer's own accumulation and Accelerate's are unused.
+    * Optimizer: ``optim`` / ``optim_args`` / ``learning_rate`` / ``adam_beta1/2`` / ``adam_epsilon`` through
+      ``Trainer.get_optimizer_cls_and_kwargs`` (or ``optimizer_cls_and_kwargs=``), built by ``auto_accelerate``
+      after sharding, with the Trainer's two groups (``weight_decay`` on all but biases and norms); the LR
+      schedule is ``Trainer.create_scheduler`` (``lr_scheduler_type``, ``warmup_*``, ``max_steps`` or
+      ``num_train_epochs``), stepped by ``train_step``. ``max_grad_norm`` > 0 clips the global norm.
+    * Data: ``train_dataset`` goes through the Trainer's collator (``remove_unused_columns`` included) into
+      torchloom's resumable loader: seeded by ``data_seed`` (else ``seed``), shuffled unless
+      ``train_sampling_strategy="sequential"``; ``dataloader_drop_last=False`` pads the last global batch with
+      repeated samples (every step is a full global batch), True drops the tail.
+    * Checkpoints (``save_strategy``/``save_steps``/``save_total_limit``): ``checkpoint-N/`` holds the torchloom
+      state (model, optimizer, scheduler, data position, RNG, train_step counters) and the Trainer's
+      ``trainer_state.json``; ``train(resume_from_checkpoint=True | path)`` continues at exactly the next
+      micro-batch. ``True`` picks the newest ``checkpoint-N`` that has a ``trainer_state.json`` (written last).
+      ``save_only_model=True`` writes ``save_model`` output instead (no resume, as in the Trainer).
+    * ``save_model(dir)``: :func:`torchloom.hf.save_pretrained` (full weights gathered from any strategy,
+      ``from_pretrained``-loadable) plus ``training_args.bin``. Collective: call it on every rank.
+    * ``evaluate()``: the eval loss over every sample of ``eval_dataset`` exactly once
+      (:func:`torchloom.data.eval_loader`; the mean of the per-batch losses weighted by their sample count, as
+      the Trainer's ``eval_loss``). ``compute_metrics`` and ``predict`` are not supported (NotImplementedError).
+
+    Raises:
+        ValueError: a TrainingArguments field that would make Accelerate/the Trainer do the strategy's job
+            (deepspeed, fsdp, bf16/fp16, gradient checkpointing, torch_compile, ...: the message names the
+            strategy method to use instead), ``optimizers=`` (the optimizer must be built after sharding; use
+            ``optimizer_cls_and_kwargs=``), ``model_init=``, a bad ``torchloom_checkpoint``, or
+            ``torchloom_args`` that the TrainingArguments own.
+        NotImplementedError: ``torchloom_strategy="auto"``, ``compute_loss_func``, an overridden ``compute_loss``.
+        RuntimeError: the strategy's batch arithmetic differs from the TrainingArguments' (e.g. a plan file with
+            another micro-batch).
+    """
+
+    def __init__(self, model=None, args=None, *trainer_args, torchloom_strategy: Any = None,
+                 torchloom_loss_func: Callable | None = None, torchloom_checkpoint: str = "disk",
+                 torchloom_args: dict[str, Any] | None = None, **trainer_kwargs):
+        check_trainer_arguments(args, trainer_kwargs, torchloom_strategy, torchloom_checkpoint, torchloom_args)
+        if type(self).compute_loss is not TorchloomTrainer.compute_loss:
+            raise NotImplementedError("TorchloomTrainer: an overridden compute_loss is not used by torchloom's "
+                                      "train_step; pass torchloom_loss_func=lambda batch, output: loss instead.")
+        self.torchloom_strategy = torchloom_strategy
+        self.torchloom_loss_func = torchloom_loss_func
+        self.torchloom_checkpoint = torchloom_checkpoint
+        self.torchloom_args = dict(torchloom_args or {})
+        self.torchloom = None  # the AccelerateResult, after setup
+        self._tl_flash = None
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        self._tl_setup()
+
+    # ------------------------------------------------------------------------------------------ setup
+    def _tl_setup(self) -> None:
+        """``auto_accelerate`` with what the TrainingArguments ask for. Collective."""
+        from torchloom.api import auto_accelerate
+
+        args, model = self.args, self.model
+        dp = self._tl_planned_dp(model)
+        optim_cls, optim_kwargs = (self.optimizer_cls_and_kwargs if self.optimizer_cls_and_kwargs is not None
+                                   else self.get_optimizer_cls_and_kwargs(args, model))
+        decay = set(self.get_decay_parameter_names(model))
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        weight_decay = args.weight_decay
+
+        def optim_func(params, **kw):
+            # the Trainer's two groups (decay / no decay by name), over the sharded parameters
+            if not weight_decay:
+                return optim_cls(params, **kw)
+            live = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+            unknown = [p for p in params if id(p) not in live and id(p) not in names]
+            if unknown:
+                raise RuntimeError(f"TorchloomTrainer: {len(unknown)} parameter(s) of the accelerated model have no "
+                                   "name in the model, so weight decay cannot be assigned by name; set "
+                                   "weight_decay=0 or pass optimizer_cls_and_kwargs.")
+            plain = lambda p: _strip_wrappers(live.get(id(p)) or names[id(p)])  # noqa: E731
+            groups = [{"params": [p for p in params if plain(p) in decay], "weight_decay": weight_decay},
+                      {"params": [p for p in params if plain(p) not in decay], "weight_decay": 0.0}]
+            return optim_cls([g for g in groups if g["params"]], **kw)
+
+        data = self._tl_dataset()
+        dataloader_args = None
+        if data is not None:
+            dataset, collate = data
+            dataloader_args = {
+                "batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * dp,
+                "micro_batch_size": args.per_device_train_batch_size,
+                "seed": args.data_seed if args.data_seed is not None else args.seed,
+                "shuffle": sampling_shuffle(args.train_sampling_strategy),
+                "drop_last": args.dataloader_drop_last, "collate_fn": collate,
+                "num_workers": args.dataloader_num_workers, "pin_memory": args.dataloader_pin_memory,
+            }
+            if args.dataloader_num_workers > 0:
+                dataloader_args["persistent_workers"] = args.dataloader_persistent_workers
+                if args.dataloader_prefetch_factor is not None:
+                    dataloader_args["prefetch_factor"] = args.dataloader_prefetch_factor
+        extra = {"model_input_format": "unpack_dict", **self.torchloom_args}
+        try:
+            res = auto_accelerate(
+                model, optim_func, None if data is None else data[0], self._tl_loss_func(), self.torchloom_strategy,
+                optim_args=optim_kwargs, dataloader_args=dataloader_args, seed=args.seed,
+                max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None, **extra)
+        except NotImplementedError as e:
+            if "single parameter group" in str(e) and weight_decay:
+                raise NotImplementedError(f"{e} TorchloomTrainer: weight_decay={weight_decay} gives the Trainer's two "
+                                          "groups (no decay for biases and norms); set weight_decay=0.") from e
+            raise
+        if res.mesh.dp_size != dp or (data is not None and (
+                res.grad_accum_steps != args.gradient_accumulation_steps
+                or res.micro_batch_size != args.per_device_train_batch_size)):
+            raise RuntimeError(
+                f"TorchloomTrainer: the strategy gave dp={res.mesh.dp_size}, micro-batch {res.micro_batch_size}, "
+                f"accumulation {res.grad_accum_steps}, but the TrainingArguments ask for dp={dp} x "
+                f"per_device_train_batch_size={args.per_device_train_batch_size} x gradient_accumulation_steps="
+                f"{args.gradient_accumulation_steps}; use a strategy that keeps them (a plan file fixes its own).")
+        self.torchloom = res
+        self.model_wrapped = res.model  # self.model stays the user's module (changed in place: sharded, cast)
+        self.optimizer = res.optimizer
+        res.optimizer.register_step_pre_hook(self._tl_pre_optimizer_step)
+        res.optimizer.register_step_post_hook(self._tl_post_optimizer_step)
+        self.callback_handler.model, self.callback_handler.optimizer = self.model, self.optimizer
+
+    def _tl_loss_func(self) -> Callable | None:
+        """``torchloom_loss_func``, else for a causal LM (labels shifted inside the model's loss) the token-exact
+        :meth:`~torchloom.SumLoss.from_hf` (the Trainer's ``num_items_in_batch`` normalisation: the mean over every
+        valid token of the global batch), else None (the output's ``loss``)."""
+        if self.torchloom_loss_func is not None or not getattr(self, "_loss_shifts_labels", False):
+            return self.torchloom_loss_func
+        from torchloom.train_step import SumLoss
+
+        def causal_lm_loss(batch, output):
+            labels = batch.get("labels") if hasattr(batch, "get") else None
+            return output.loss if labels is None else SumLoss.from_hf(output, labels)
+
+        return causal_lm_loss
+
+    def _tl_planned_dp(self, model) -> int:
+        """The data-parallel size the strategy will have (the global batch needs it before the mesh exists)."""
+        from torchloom.api import plan_dims
+        from torchloom.strategy.annotations import has_annotations, strategy_from_annotations
+        from torchloom.strategy.strategy import Strategy
+        from torchloom.utils import world_size
+
+        strategy = self.torchloom_strategy
+        if has_annotations(model):
+            strategy = strategy_from_annotations(model, world_size(), strategy)
+        else:
+            strategy = Strategy.parse(strategy)
+        dims = plan_dims(strategy, world_size())
+        return dims.dp_replicate * dims.dp_shard
+
+    def _tl_dataset(self):
+        """``(dataset, collate_fn)`` as ``Trainer._get_dataloader`` builds them (unused columns removed)."""
+        dataset = self.train_dataset
+        if dataset is None:
+            return None
+        collate = self.data_collator
+        try:
+            import datasets
+        except ImportError:  # pragma: no cover - datasets is a transformers dependency
+            datasets = None
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        return dataset, collate
+
+    # ------------------------------------------------------------------------------------------ the Trainer's seams
+    def get_train_dataloader(self):
+        """torchloom's resumable per-rank loader of micro-batches (``res.dataloader``)."""
+        if self.torchloom.dataloader is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        return self.torchloom.dataloader
+
+    def get_total_train_batch_size(self, args) -> int:
+        return self.torchloom.global_batch_size
+
+    def num_examples(self, dataloader) -> int:
+        return len(dataloader.dataset)
+
+    def _move_model_to_device(self, model, device) -> None:
+        """Nothing here: ``auto_accelerate`` places the model (FSDP shard by shard, never the whole model first)."""
+
+    def create_optimizer(self, model=None):
+        return self.optimizer  # built by auto_accelerate after sharding
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        """Nothing here: torchloom's checkpoint is loaded with the optimizer and scheduler in
+        ``_prepare_for_training`` (the Trainer would look for HF weights in the directory)."""
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest ``checkpoint-N`` whose
+        ``trainer_state.json`` exists (it is written after the torchloom state is committed)."""
+        if trial is not None:
+            raise NotImplementedError("TorchloomTrainer: hyperparameter search (trial=) is not supported.")
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = newest_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir}): no "
+                                 f"{PREFIX_CHECKPOINT_DIR}-N with a {TRAINER_STATE_NAME}.")
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=None,
+                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """The LR schedule for ``max_steps`` on torchloom's optimizer (stepped by ``train_step``), then the
+        checkpoint. Returns ``(model, loader)``; Accelerate's ``prepare`` is never called."""
+        res = self.torchloom
+        if self._created_lr_scheduler:
+            self.lr_scheduler, self._created_lr_scheduler = None, False
+        self.create_scheduler(num_training_steps=max_steps, optimizer=res.optimizer)
+        res.lr_scheduler = res.train_step.lr_scheduler = self.lr_scheduler
+        if resume_from_checkpoint is not None:
+            self._tl_load(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return res.model, train_dataloader
+
+    def _run_epoch(self, model, epoch, train_dataloader, steps_in_epoch, num_update_steps_per_epoch, trial,
+                   ignore_keys_for_eval, start_time, resume_from_checkpoint, epochs_trained,
+                   steps_trained_in_current_epoch):
+        """One pass of torchloom's loader: ``train_step`` per micro-batch (it accumulates and steps), the
+        Trainer's callbacks, state, logging and saving around it. A resumed epoch continues from the restored
+        loader position (no batches are replayed)."""
+        step_fn, loader = self.torchloom.train_step, train_dataloader
+        accum = step_fn.grad_accum_steps
+        loader.set_epoch(epoch)  # a restored position of this epoch is kept
+        grad_norm, learning_rate, step = None, None, -1
+        model.train()
+        for inputs in loader:
+            step = _position(loader) - 1  # micro-batch index in the epoch
+            if step_fn.micro_step % accum == 0:
+                self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
+            closes_window = (step_fn.micro_step + 1) % accum == 0
+            if closes_window:
+                learning_rate = self._get_learning_rate()  # the LR this optimizer step uses
+            loss = step_fn(inputs)
+            if self.args.logging_nan_inf_filter and not torch.isfinite(loss):
+                self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+            else:
+                self._tr_loss += loss.to(self._tr_loss.device) / accum  # the Trainer reports loss / accumulation
+            self.current_flos += float(self.floating_point_ops(inputs))
+            self._track_num_input_tokens(inputs)
+            if closes_window:
+                grad_norm = step_fn.last_grad_norm
+                self.state.global_step += 1
+                self.state.epoch = epoch + (step + 1) / steps_in_epoch
+                self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
+                self._maybe_log_save_evaluate(self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,
+                                              start_time, learning_rate=learning_rate)
+            else:
+                self.control = self.callback_handler.on_substep_end(self.args, self.state, self.control)
+            if self.control.should_epoch_stop or self.control.should_training_stop:
+                break
+        if step < 0:  # an empty epoch (as the Trainer: stop)
+            self.control.should_training_stop = True
+        self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
+        self._maybe_log_save_evaluate(self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,
+                                      start_time, learning_rate=learning_rate)
+
+    def _tl_pre_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self.is_in_train:
+            self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
+
+    def _tl_post_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self.is_in_train:
+            self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One micro-batch through torchloom's ``train_step`` (accumulates; steps the optimizer at the end of
+        each window). Returns the loss divided by the accumulation steps, as the Trainer's."""
+        return self.torchloom.train_step(inputs).detach() / self.torchloom.grad_accum_steps
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The loss torchloom's ``train_step`` uses (``torchloom_loss_func`` or the output's ``loss``), without
+        backward. Collective under FSDP/TP/PP: call it on every rank."""
+        if return_outputs:
+            raise NotImplementedError("TorchloomTrainer.compute_loss(return_outputs=True) is not supported.")
+        return self.torchloom.forward_loss(inputs)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def _tl_checkpointer(self):
+        if self._tl_flash is None:
+            from torchloom.checkpoint import FlashCheckpointer
+
+            res = self.torchloom
+            limit = self.args.save_total_limit
+            self._tl_flash = FlashCheckpointer(
+                Path(self.args.output_dir) / FLASH_DIR, model=res.model, optimizer=res.optimizer,
+                lr_scheduler=res.lr_scheduler, dataloader=res.dataloader, train_step=res.train_step,
+                keep_last=limit if limit and limit > 0 else None)
+        return self._tl_flash
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """``checkpoint-N/``: the torchloom state, then (rank 0) ``trainer_state.json``, then rotation."""
+        from torchloom.checkpoint import save
+
+        step = self.state.global_step
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        self.store_flos()
+        res = self.torchloom
+        if self.args.save_only_model:
+            self.save_model(output_dir, _internal_call=True)
+        elif self.torchloom_checkpoint == "flash":
+            self._tl_checkpointer().save(step, persist=True)
+        else:
+            save(Path(output_dir) / TORCHLOOM_CKPT_DIR, step=step, model=res.model, optimizer=res.optimizer,
+                 lr_scheduler=res.lr_scheduler, dataloader=res.dataloader, train_step=res.train_step)
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            for cb in [c for c in self.callback_handler.callbacks + [self.control] if _exportable(c)]:
+                name, cb_state = type(cb).__name__, cb.state()
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(cb_state)
+                else:
+                    self.state.stateful_callbacks[name] = cb_state
+            self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+        if dist.is_initialized():
+            dist.barrier()  # every rank sees the finished checkpoint (and the rotation) before going on
+
+    def _tl_load(self, checkpoint: str) -> None:
+        """Restore the torchloom state of ``checkpoint-N`` (collective)."""
+        from torchloom.checkpoint import load
+
+        res = self.torchloom
+        step = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME)).global_step
+        live = dict(model=res.model, optimizer=res.optimizer, lr_scheduler=res.lr_scheduler,
+                    dataloader=res.dataloader, train_step=res.train_step)
+        if self.args.save_only_model:
+            raise ValueError(f"cannot resume from {checkpoint}: save_only_model=True checkpoints hold only the "
+                             "model (as with the Trainer).")
+        disk = Path(checkpoint) / TORCHLOOM_CKPT_DIR
+        if disk.is_dir():
+            info = load(disk, **live)
+        else:
+            info = self._tl_checkpointer().load()
+            flash_dir = Path(self.args.output_dir) / FLASH_DIR / f"step_{step:08d}"
+            if info is None or info["step"] != step:  # memory holds another step: that step's disk copy
+                if not flash_dir.is_dir():
+                    raise ValueError(f"cannot resume from {checkpoint}: its torchloom state (step {step}) is neither "
+                                     f"in {disk} nor in the flash tier ({flash_dir} or shared memory).")
+                info = load(flash_dir, **live)
+        if int(info["step"]) != step:
+            raise RuntimeError(f"{checkpoint}: the torchloom state is of step {info['step']}, trainer_state.json of "
+                               f"step {step}.")
+
+    # ------------------------------------------------------------------------------------------ export
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """:func:`torchloom.hf.save_pretrained` of the accelerated model (full weights, ``config.json``, the
+        tokenizer when ``processing_class`` is one) and ``training_args.bin``. Collective: every rank."""
+        from torchloom.hf import save_pretrained
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
+        save_pretrained(self.torchloom.model, output_dir, tokenizer=tokenizer)
+        if self.args.should_save:
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """``{prefix}_loss``: the mean loss over every sample of the evaluation set exactly once (each batch's
+        mean loss weighted by its real sample count, as the Trainer's ``eval_loss``), plus speed metrics.
+        Collective. Logged, and ``on_evaluate`` callbacks run.
+
+        Raises:
+            NotImplementedError: ``compute_metrics`` is set, or several evaluation sets are given (a dict).
+            ValueError: no evaluation dataset.
+        """
+        from torchloom.data.eval import eval_loader
+
+        if self.compute_metrics is not None:
+            raise NotImplementedError("TorchloomTrainer.evaluate computes only the loss; compute_metrics is not "
+                                      "supported yet (use torchloom.data.eval_loader's gather_for_metrics).")
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, dict):
+            raise NotImplementedError("TorchloomTrainer.evaluate takes one evaluation dataset, not a dict.")
+        if dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        collate = self.data_collator
+        try:
+            import datasets
+        except ImportError:  # pragma: no cover
+            datasets = None
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="evaluation")
+        else:
+            collate = self._get_collator_with_removed_columns(self.data_collator, description="evaluation")
+        res = self.torchloom
+        loader = eval_loader(dataset, self.args.per_device_eval_batch_size, mesh=res.mesh, collate_fn=collate,
+                             num_workers=self.args.dataloader_num_workers)
+        start = time.time()
+        was_training = res.model.training
+        res.model.eval()
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        with torch.no_grad():
+            for batch in loader:
+                # a rank with no real sample left still runs the (collective) forward on its filler batch
+                rows = loader.num_valid or loader.rows
+                loss = res.forward_loss(_take_rows(batch, rows))
+                if loader.num_valid:
+                    total += loss.double().cpu() * loader.num_valid
+                    count += loader.num_valid
+        res.model.train(was_training)
+        mean = loader.reduce_metrics(total, count).item()
+        metrics = {f"{metric_key_prefix}_loss": mean}
+        n = len(dataset)
+        steps = math.ceil(n / (self.args.per_device_eval_batch_size * res.mesh.dp_size))
+        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=n, num_steps=steps))
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def predict(self, *args, **kwargs):
+        raise NotImplementedError("TorchloomTrainer.predict is not supported; use torchloom.data.eval_loader with "
+                                  "trainer.torchloom.model and gather_for_metrics.")
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        out = super()._finalize_training(trial, num_train_samples, start_time)
+        if self._tl_flash is not None:  # flash tier: the last background save is committed before train() returns
+            self._tl_flash.finalize()
+            self._tl_flash = None
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _position(loader) -> int:
+    """Micro-batches this rank's loader has yielded in its current epoch (from its public state)."""
+    st = loader.state_dict()
+    if st.get("kind") == "iterable":
+        return int(st["batches_yielded"])
+    return int(st["consumed"]) // (loader.dp_size * loader.micro_batch_size)
+
+
+def _strip_wrappers(name: str) -> str:
+    """A parameter name without torchloom's/torch's wrapper components (activation checkpointing, compile)."""
+    for part in ("_checkpoint_wrapped_module.", "_orig_mod.", "module."):
+        name = name.replace(part, "")
+    return name
+
+
+def _exportable(cb) -> bool:
+    from transformers.trainer_callback import ExportableState
+
+    return isinstance(cb, ExportableState)
+
+
+def _take_rows(batch: Any, rows: int) -> Any:
+    """The first ``rows`` rows of every per-row tensor of a (dict) batch."""
+    if isinstance(batch, dict) or hasattr(batch, "items"):
+        return type(batch)({k: v[:rows] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()})
+    return batch

@@ -1,0 +1,111 @@
+"""Argument checks of :class:`torchloom.hf.TorchloomTrainer` and the choice of the checkpoint to resume.
+
+Everything here runs before the Trainer builds its Accelerator, and in one process: a refused argument
+never starts anything distributed.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+__all__ = ["CHECKPOINT_TIERS", "TRAINER_STATE_NAME", "check_trainer_arguments", "newest_checkpoint",
+           "sampling_shuffle"]
+
+TRAINER_STATE_NAME = "trainer_state.json"
+CHECKPOINT_TIERS = ("disk", "flash")
+
+# TrainingArguments that would make Accelerate or the Trainer do what the strategy does: value -> advice
+_REFUSED_ARGS = {
+    "deepspeed": "DeepSpeed would wrap the model again; use torchloom_strategy (e.g. ['fsdp'] for ZeRO-3).",
+    "fsdp": "Accelerate's FSDP would wrap the model again; put 'fsdp' (or 'zero2', ...) in torchloom_strategy.",
+    "fsdp_config": "Accelerate's FSDP would wrap the model again; configure ('fsdp', {...}) in torchloom_strategy.",
+    "parallelism_config": "use torchloom_strategy (parallel_mode, tensor_parallel, ...) for the mesh.",
+    "bf16": "precision comes from the strategy: add ('amp', {'dtype': 'bfloat16'}) to torchloom_strategy.",
+    "fp16": "precision comes from the strategy: add ('amp', {'dtype': 'float16'}) to torchloom_strategy.",
+    "activation_checkpointing": "add 'checkpoint' to torchloom_strategy.",
+    "gradient_checkpointing": "add 'checkpoint' to torchloom_strategy.",
+    "torch_compile": "add 'compile' to torchloom_strategy.",
+    "auto_find_batch_size": "the batch is fixed by the strategy's batch arithmetic; set per_device_train_batch_size.",
+    "use_liger_kernel": "not supported with torchloom yet; patch the model before passing it.",
+    "neftune_noise_alpha": "not supported with torchloom yet.",
+    "label_smoothing_factor": "give torchloom_loss_func=... computing the smoothed loss.",
+    "load_best_model_at_end": "not supported: checkpoint-N holds a torchloom training state, not HF weights.",
+    "push_to_hub": "not supported with torchloom yet; push the save_model() directory yourself.",
+    "enable_jit_checkpoint": "not supported with torchloom yet.",
+}
+_SAMPLING = {"random": True, "sequential": False}
+
+
+def _off(name: str, value: Any) -> bool:
+    """Whether a refused TrainingArguments field is at its harmless default."""
+    if name == "deepspeed":
+        return value is None
+    if name == "fsdp_config":
+        return not value or not any(v for k, v in dict(value).items() if k not in ("min_num_params", "xla",
+                                                                                 "xla_fsdp_v2", "xla_fsdp_grad_ckpt"))
+    if name == "neftune_noise_alpha":
+        return value is None
+    if name == "label_smoothing_factor":
+        return value == 0
+    return not value
+
+
+def check_trainer_arguments(args, kwargs: dict, strategy: Any, checkpoint: str, extra: dict | None) -> None:
+    """Refuse what the TorchloomTrainer cannot honour, before the Trainer (and Accelerate) is built.
+
+    Raises:
+        ValueError / NotImplementedError: naming the argument and what to use instead (docs/hf.md).
+    """
+    if args is not None:
+        bad = [(n, a) for n, a in _REFUSED_ARGS.items() if hasattr(args, n) and not _off(n, getattr(args, n))]
+        if bad:
+            raise ValueError("TorchloomTrainer: " + "; ".join(f"TrainingArguments.{n}={getattr(args, n)!r} is not "
+                                                             f"supported: {a}" for n, a in bad))
+        sampling_shuffle(args.train_sampling_strategy)
+    if any(o is not None for o in kwargs.get("optimizers", (None, None))):
+        raise ValueError("TorchloomTrainer: optimizers=(optimizer, scheduler) is not supported: torchloom builds the "
+                         "optimizer after sharding the model. Pass optimizer_cls_and_kwargs=(cls, kwargs) and the "
+                         "TrainingArguments' lr_scheduler_type/warmup instead.")
+    if kwargs.get("model_init") is not None:
+        raise ValueError("TorchloomTrainer: model_init= is not supported; pass the model.")
+    if kwargs.get("compute_loss_func") is not None:
+        raise NotImplementedError("TorchloomTrainer: compute_loss_func= is not supported; pass "
+                                  "torchloom_loss_func=lambda batch, output: loss (auto_accelerate's loss_func).")
+    if isinstance(strategy, str) and strategy == "auto":
+        raise NotImplementedError(
+            "TorchloomTrainer: torchloom_strategy='auto' is not supported (the search chooses its own micro-batch, "
+            "the TrainingArguments fix it). Run the search once (auto_accelerate(strategy='auto') or `loom plan`) "
+            "and pass the strategy it chose.")
+    if checkpoint not in CHECKPOINT_TIERS:
+        raise ValueError(f"TorchloomTrainer: torchloom_checkpoint must be one of {CHECKPOINT_TIERS}, got "
+                         f"{checkpoint!r}.")
+    owned = {"optim_func", "optim_args", "dataset", "dataloader_args", "loss_func", "strategy", "seed",
+             "max_grad_norm", "lr_scheduler_cls", "lr_scheduler_args"} & set(extra or {})
+    if owned:
+        raise ValueError(f"TorchloomTrainer: torchloom_args {sorted(owned)} are set from the TrainingArguments "
+                         "(learning_rate, optim, per_device_train_batch_size, seed, max_grad_norm, ...) or the "
+                         "Trainer's own arguments; set them there.")
+
+
+def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The newest ``checkpoint-N`` under ``output_dir`` that has a ``trainer_state.json`` (None if none)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None
+    found = []
+    for p in root.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        tail = p.name[len(PREFIX_CHECKPOINT_DIR) + 1:]
+        if tail.isdigit() and (p / TRAINER_STATE_NAME).is_file():
+            found.append((int(tail), p))
+    return str(max(found)[1]) if found else None
+
+
+def sampling_shuffle(strategy: str) -> bool:
+    """``train_sampling_strategy`` -> the sampler's ``shuffle``. Raises ValueError for the length-grouping ones."""
+    if strategy not in _SAMPLING:
+        raise ValueError(f"TorchloomTrainer: train_sampling_strategy={strategy!r} is not supported; use 'random' or "
+                         "'sequential' (torchloom's sampler owns the order so that resume is exact).")
+    return _SAMPLING[strategy]

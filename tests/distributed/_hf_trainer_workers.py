@@ -1,0 +1,223 @@
+"""Rank functions for tests/distributed/test_hf_trainer.py (imported by qualified name in spawned ranks)."""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+VOCAB, SEQ, N_TRAIN, N_EVAL = 128, 16, 32, 7
+STRATEGY = ["fsdp", "amp", "checkpoint"]  # amp is bf16 on CPU
+# 2 ranks x micro 2 x accumulation 2 = global batch 8: 4 steps an epoch; 6 steps cross an epoch, stop at 3 mid-epoch
+MICRO, ACCUM, STEPS, STOP, WARMUP, LR, WD = 2, 2, 6, 3, 2, 1e-2, 0.01
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(cfg)
+
+
+def samples(n: int, seed: int) -> list[dict]:
+    """Token windows whose labels end in -100 padding of random length (token-exact loss matters)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    lens = torch.randint(SEQ // 2, SEQ + 1, (n,), generator=g)
+    out = []
+    for row, n_valid in zip(ids, lens):
+        labels = row.clone()
+        labels[n_valid:] = -100
+        out.append({"input_ids": row, "labels": labels})
+    return out
+
+
+def training_args(out: str, **kw):
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM,
+                max_steps=STEPS, learning_rate=LR, weight_decay=WD, warmup_steps=WARMUP, lr_scheduler_type="linear",
+                optim="adamw_torch", max_grad_norm=1.0, logging_steps=1, save_strategy="steps", save_steps=STOP,
+                report_to="none", disable_tqdm=True, seed=0, per_device_eval_batch_size=1, use_cpu=True)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def stop_at(step: int):
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        """A real interruption: training ends after step ``step`` (its checkpoint was saved)."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= step:
+                control.should_training_stop = True
+            return control
+
+    return StopAt()
+
+
+class Counter:
+    """Counts the Trainer callbacks that fire (they must stay coherent with torchloom's stepping)."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class _Count(TrainerCallback):
+            def __init__(self):
+                self.seen = {}
+
+            def _hit(self, name, state):
+                self.seen.setdefault(name, []).append(state.global_step)
+
+            def on_step_begin(self, args, state, control, **kw):
+                self._hit("step_begin", state)
+
+            def on_step_end(self, args, state, control, **kw):
+                self._hit("step_end", state)
+
+            def on_substep_end(self, args, state, control, **kw):
+                self._hit("substep_end", state)
+
+            def on_pre_optimizer_step(self, args, state, control, **kw):
+                self._hit("pre_optimizer_step", state)
+
+            def on_optimizer_step(self, args, state, control, **kw):
+                self._hit("optimizer_step", state)
+
+        return _Count()
+
+
+def full_params(model) -> dict:
+    from torchloom.checkpoint.state import full_model_state
+
+    return {k: v.detach().clone().cpu() for k, v in full_model_state(model).items()}
+
+
+def trainer(out: str, callbacks=(), eval_set=None, **kw):
+    from torchloom.hf import TorchloomTrainer
+
+    tier = kw.pop("torchloom_checkpoint", "disk")
+    return TorchloomTrainer(model=tiny_llama(), args=training_args(out, **kw), train_dataset=samples(N_TRAIN, 1),
+                            eval_dataset=eval_set, callbacks=list(callbacks), torchloom_strategy=STRATEGY,
+                            torchloom_checkpoint=tier)
+
+
+def losses(t) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in t.state.log_history if "loss" in h}
+
+
+def plain_loop() -> tuple[list[float], dict]:
+    """The same auto_accelerate settings in a hand-written loop: the reference the Trainer must equal."""
+    from transformers import default_data_collator, get_linear_schedule_with_warmup
+
+    import torchloom
+
+    model = tiny_llama()
+
+    def adamw(params, **kw):  # the Trainer's groups: no decay for norms (Llama has no biases)
+        names = {id(p): n for n, p in model.named_parameters()}
+        no_decay = [p for p in params if "norm" in names[id(p)]]
+        decay = [p for p in params if "norm" not in names[id(p)]]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+                                 **kw)
+
+    res = torchloom.auto_accelerate(
+        model, adamw, samples(N_TRAIN, 1), lambda b, o: torchloom.SumLoss.from_hf(o, b["labels"]), STRATEGY,
+        optim_args={"lr": LR, "betas": (0.9, 0.999), "eps": 1e-8},
+        dataloader_args={"batch_size": MICRO * ACCUM * dist.get_world_size(), "micro_batch_size": MICRO, "seed": 0,
+                         "drop_last": False, "collate_fn": default_data_collator},
+        model_input_format="unpack_dict", max_grad_norm=1.0, seed=0,
+        lr_scheduler_cls=functools.partial(get_linear_schedule_with_warmup, num_warmup_steps=WARMUP,
+                                           num_training_steps=STEPS))
+    logged, tr = [], torch.tensor(0.0)
+    while res.train_step.optimizer_steps < STEPS:
+        for batch in res.dataloader:
+            tr += res.train_step(batch) / ACCUM
+            if res.train_step.micro_step % ACCUM == 0:  # the Trainer's logged loss: mean over ranks
+                parts = [torch.zeros_like(tr) for _ in range(dist.get_world_size())]
+                dist.all_gather(parts, tr)
+                logged.append(torch.stack(parts).mean().item())
+                tr -= tr
+                if res.train_step.optimizer_steps == STEPS:
+                    break
+    return logged, full_params(res.model)
+
+
+def train_stop_resume(tmp: str) -> dict:
+    """Uninterrupted Trainer run; the same stopped at step 3 and resumed by a new Trainer (disk tier, then flash);
+    the plain torchloom loop; evaluate() and save_model()."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    out: dict = {"seconds": {}}
+    tmp = Path(tmp)
+    clock = [time.perf_counter()]
+
+    def lap(name):  # phase wall times (reported, not asserted)
+        now = time.perf_counter()
+        out["seconds"][name], clock[0] = round(now - clock[0], 2), now
+
+    count = Counter()
+    full = trainer(str(tmp / "full"), callbacks=[count], save_strategy="no")  # saving changes nothing
+    res = full.torchloom
+    out["batch"] = (res.micro_batch_size, res.grad_accum_steps, res.global_batch_size, res.mesh.dp_size,
+                    full.get_total_train_batch_size(full.args))
+    full.train()
+    out["full_losses"], out["full_params"] = losses(full), full_params(res.model)
+    out["full_state"] = (full.state.global_step, full.state.epoch, full.state.max_steps)
+    out["callbacks"] = {k: list(v) for k, v in count.seen.items()}
+    out["lrs"] = [h["learning_rate"] for h in full.state.log_history if "learning_rate" in h]
+    lap("uninterrupted")
+
+    # eval: every one of the 7 samples once (batch 1 per rank: the last step has a filler on rank 1)
+    eval_set = samples(N_EVAL, 2)
+    full.eval_dataset = eval_set
+    out["eval"] = full.evaluate()["eval_loss"]
+    with torch.no_grad():
+        res.model.eval()
+        ref = [res.forward_loss({k: v[None] for k, v in s.items()}).item() for s in eval_set]
+        res.model.train()
+    out["eval_ref"] = sum(ref) / len(ref)
+    out["log_has_eval"] = any("eval_loss" in h for h in full.state.log_history)
+    lap("evaluate")
+
+    try:
+        import torchloom.hf.save  # noqa: F401 - helper A's save_pretrained
+    except ImportError:
+        out["saved"] = None
+    else:
+        full.save_model(str(tmp / "export"))
+        if dist.get_rank() == 0:
+            from transformers import LlamaForCausalLM
+
+            loaded = LlamaForCausalLM.from_pretrained(str(tmp / "export"))
+            sd = loaded.state_dict()
+            out["saved"] = all(torch.equal(sd[k], v) for k, v in out["full_params"].items() if k in sd)
+    dist.barrier()
+    lap("save_model")
+
+    for tier in ("disk", "flash"):
+        d = str(tmp / tier)
+        first = trainer(d, callbacks=[stop_at(STOP)], torchloom_checkpoint=tier)
+        first.train()
+        out[f"{tier}_stopped_at"] = first.state.global_step
+        out[f"{tier}_ckpts"] = sorted(p.name for p in Path(d).glob("checkpoint-*"))
+        out[f"{tier}_layout"] = sorted(str(p.relative_to(d)) for p in Path(d).glob("*/*") if "rank" not in p.name)
+        second = trainer(d, torchloom_checkpoint=tier, save_strategy="no")  # (a saver start costs ~5 s)
+        second.train(resume_from_checkpoint=True)
+        out[f"{tier}_losses"] = {**losses(first), **losses(second)}
+        out[f"{tier}_params"] = full_params(second.torchloom.model)
+        out[f"{tier}_state"] = (second.state.global_step, second.state.epoch)
+        del first, second
+        lap(f"stop_resume_{tier}")
+
+    out["plain_losses"], out["plain_params"] = plain_loop()
+    lap("plain_loop")
+    if dist.get_rank():
+        for k in [k for k in out if k.endswith("_params")]:
+            out[k] = None  # rank 0's copy is enough (the full state is the same on every rank)
+    return out
