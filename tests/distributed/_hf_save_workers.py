@@ -56,8 +56,8 @@ def _accelerate(model, strategy):
 
 
 CASES = {  # tag -> (strategy, tied embeddings)
-    "fsdp": (["fsdp"], True),
-    "ddp": (["ddp"], False),
+    "fsdp": (["fsdp", "checkpoint"], True),
+    "ddp": (["ddp", "checkpoint"], False),
     "tp": ([("parallel_mode", {"tp": 2}), "tensor_parallel"], False),
     "pp": ([("pipeline_parallel", {"size": 2})], True),
 }

@@ -78,6 +78,7 @@ def test_existing_directory_keeps_other_files_and_loses_stale_shards(tmp_path):
                                                   "model.safetensors", "notes.txt"]
     loaded = AutoModelForCausalLM.from_pretrained(d)
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    assert (d / "model.safetensors").stat().st_mode & 0o777 == 0o644  # readable by others, like config.json
 
 
 def test_an_interrupted_publish_leaves_no_config(tmp_path, monkeypatch):

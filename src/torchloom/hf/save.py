@@ -160,11 +160,9 @@ def _source(model: nn.Module) -> _Source:
         src = _Source(cls, model.config, model.generation_config)
     else:
         live = unwrap(model)
-        if peft_io.is_peft_model(live):
-            base = live.get_base_model()
-            return _Source(plain_class(base), getattr(base, "config", None),
-                           getattr(base, "generation_config", None), peft=live)
-        src = _Source(plain_class(live), getattr(live, "config", None), getattr(live, "generation_config", None))
+        peft = live if peft_io.is_peft_model(live) else None
+        hf = live.get_base_model() if peft is not None else live
+        src = _Source(plain_class(hf), getattr(hf, "config", None), getattr(hf, "generation_config", None), peft)
     if not issubclass(src.cls, PreTrainedModel) or src.config is None:
         raise TypeError(f"torchloom.hf.save_pretrained saves Hugging Face models (transformers.PreTrainedModel, "
                         f"or a peft.PeftModel around one); got {src.cls.__name__}. For any module, "
@@ -285,6 +283,7 @@ def _publish(staged: Path, dest: Path) -> None:
     ``adapter_config.json``) go first and come back last, and stale weight files of the same kind go."""
     files = sorted(p.relative_to(staged) for p in staged.rglob("*") if p.is_file())
     for f in files:
+        os.chmod(staged / f, 0o644)  # a saved model is meant to be shared (safetensors writes 0600)
         commit.fsync_file(staged / f)
     commit.fsync_dirs(staged)
     if not dest.exists():
