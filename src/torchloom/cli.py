@@ -1,9 +1,11 @@
-"""The ``loom`` command line: ``loom run`` (launcher), ``loom train`` (the reference job) and ``loom ckpt``.
+"""The ``loom`` command line: ``loom run`` (launcher), ``loom train`` (the reference job), ``loom config`` (the
+config file) and ``loom ckpt``.
 
-See ``docs/launch.md`` and ``docs/train.md``.
+See ``docs/launch.md``, ``docs/train.md`` and ``docs/config.md``.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -19,12 +21,13 @@ def _exit(code: int) -> None:
     clean_exit(int(code))
 
 
-def launch_options(default_nproc: int | str):
-    """The torchrun options shared by ``loom run`` and ``loom train``."""
+def launch_options(default_nproc: int | str, nproc_shown: str | None = None):
+    """The torchrun options shared by ``loom run``, ``loom train`` and ``loom config`` (``nproc_shown``: the
+    default ``--help`` shows for ``--nproc`` when the command computes it)."""
     def deco(f):
         opts = [
-            click.option("--nproc", "--nproc-per-node", "nproc", default=str(default_nproc), show_default=True,
-                         help="processes per node: an integer or auto/cpu/gpu/xpu"),
+            click.option("--nproc", "--nproc-per-node", "nproc", default=str(default_nproc),
+                         show_default=nproc_shown or True, help="processes per node: an integer or auto/cpu/gpu/xpu"),
             click.option("--nnodes", default="1", show_default=True, help="nodes: N or MIN:MAX (elastic)"),
             click.option("--node-rank", type=int, default=None, help="this node's rank (static rendezvous)"),
             click.option("--rdzv-backend", default=None, help="rendezvous backend (c10d, etcd, static, ...)"),
@@ -94,6 +97,47 @@ def _launch_opts(kw: dict):
     return LaunchOptions(**{k: kw.pop(k) for k in _LAUNCH_KEYS})
 
 
+class _BadInput(click.ClickException):
+    """A bad file or value: ``error: ...`` and exit code 2, without the usage text."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def _given(name: str) -> bool:
+    """Whether option ``name`` of the running command was given on its command line (not a default)."""
+    from click.core import ParameterSource
+
+    return click.get_current_context().get_parameter_source(name) not in (
+        None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+
+
+def _apply_config_file(kw: dict, explicit: str | None) -> None:
+    """``loom run``: take the config file's launch settings where no flag was given, say so on stderr, and point
+    the workers at the same file (``auto_accelerate(strategy=None)`` reads its strategy there)."""
+    from .strategy import config_file as cf
+
+    try:
+        found = cf.find(explicit)
+    except cf.ConfigFileError as e:
+        raise _BadInput(str(e)) from e
+    if found is None:
+        return
+    taken = {k: v for k, v in found.launch.items() if not _given(k)}
+    kw.update(taken)
+    line = f"[loom] config file {found.path} ({found.source}): launch " + (
+        " ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items()) or "settings: none")
+    won = [f"--{k.replace('_', '-')}" for k in found.launch if k not in taken]
+    if won:
+        line += f" ({', '.join(won)} given on the command line win)"
+    line += ("; no strategy" if found.strategy is None else
+             f"; strategy {found.strategy!r} for auto_accelerate(strategy=None)")
+    click.echo(line, err=True)
+    os.environ[cf.ENV_VAR] = str(found.path)  # the workers read this file, whatever their working directory
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", "-V", prog_name="torchloom")
 def main() -> None:
@@ -105,12 +149,16 @@ def main() -> None:
 @launch_options(default_nproc=1)
 @health_options
 @click.option("-m", "--module", "module", is_flag=True, help="TARGET is a module name (python -m TARGET)")
+@click.option("--config-file", default=None, type=click.Path(dir_okay=False),
+              help="the torchloom config file to take launch settings from (default: the lookup of "
+                   "docs/config.md; TORCHLOOM_CONFIG_FILE=none reads none)")
 @click.argument("target", required=False)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def run(module: bool, target: str | None, args: tuple[str, ...], **kw) -> None:
+def run(module: bool, config_file: str | None, target: str | None, args: tuple[str, ...], **kw) -> None:
     """Run TARGET (a script, or -m MODULE) on --nproc processes per node with torchrun.
 
-    Everything after TARGET is passed to it. Exits with the job's exit code.
+    Everything after TARGET is passed to it. Exits with the job's exit code. Launch settings not given as
+    flags come from the torchloom config file when there is one (`loom config`; the line it prints names it).
 
     \b
     Examples:
@@ -126,6 +174,7 @@ def run(module: bool, target: str | None, args: tuple[str, ...], **kw) -> None:
         raise click.UsageError(f"no such option: {target} (loom run's options go before the script, see "
                                "--help; everything after the script is passed to it; a script whose name starts "
                                f"with '-' is ./{target}).")
+    _apply_config_file(kw, config_file)
     opts = _launch_opts(kw)
     _preflight(opts, kw)
     try:
@@ -133,6 +182,151 @@ def run(module: bool, target: str | None, args: tuple[str, ...], **kw) -> None:
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     _exit(code)
+
+
+# ---------------------------------------------------------------------------------------- config
+@main.group("config", invoke_without_command=True)
+@click.option("--file", "path", default=None, type=click.Path(dir_okay=False),
+              help="where to write (default: $TORCHLOOM_CONFIG_FILE, else the user default "
+                   "~/.cache/torchloom/default_config.yaml; ./torchloom.yaml is a per-project file)")
+@click.option("--strategy", default=None,
+              help="methods for auto_accelerate(strategy=None): fsdp,amp or a JSON/YAML list "
+                   "'[fsdp, {amp: {dtype: bfloat16}}]', or none")
+@launch_options(default_nproc=1, nproc_shown="the GPUs of this machine, else 1")
+@click.option("--default", "defaults", is_flag=True, help="ask nothing: what is not given takes its default")
+@click.pass_context
+def config(ctx, path: str | None, strategy: str | None, defaults: bool, **kw) -> None:
+    """Write a torchloom config file: a default strategy for auto_accelerate(strategy=None) and launch
+    settings for `loom run` (its flags win). See docs/config.md.
+
+    In a terminal with no option given it asks; otherwise it writes the options given (launch options as
+    `loom run` takes them; --nproc and --nnodes always, other launch options only when given).
+
+    \b
+    Examples:
+      loom config
+      loom config --strategy fsdp,amp --nproc 2
+      loom config --default --file torchloom.yaml
+      loom config show
+    """
+    if ctx.invoked_subcommand is not None:
+        given = [f"--{p.replace('_', '-')}" for p in ctx.params if _given(p)]
+        if given:
+            raise click.UsageError(f"{', '.join(given)}: options of `loom config` itself, not of `loom config "
+                                   f"{ctx.invoked_subcommand}` (e.g. `loom config show --file PATH`).")
+        return
+    from .strategy import config_file as cf
+
+    try:
+        target = cf.write_target(path)
+        interactive = not defaults and _stdin_is_tty() and not any(_given(p) for p in ("strategy", *_LAUNCH_KEYS))
+        if interactive:
+            strategy, kw = _ask_config(kw)
+        launch = {k: kw[k] for k in _LAUNCH_KEYS if k in ("nproc", "nnodes") or _given(k) or interactive
+                  and kw.get(k) is not None}
+        if not _given("nproc") and not interactive:
+            launch["nproc"] = _default_nproc()
+        data = {"config_version": cf.CONFIG_VERSION, "strategy": _strategy_value(strategy), "launch": launch}
+        cfg = cf.parse(data, target, "--file")
+        existed = target.exists()
+        cfg.save(target)
+    except cf.ConfigFileError as e:
+        raise _BadInput(str(e)) from e
+    click.echo(f"{'replaced' if existed else 'wrote'} {target}:")
+    click.echo(cfg.to_yaml(), nl=False)
+    try:
+        in_use = cf.locate()
+    except cf.ConfigFileError:
+        in_use = None
+    if in_use is None or in_use[0] != target:
+        why = f"{in_use[0]} ({in_use[1]}) comes first" if in_use else "it is not on the lookup path"
+        click.echo(f"note: this file is not the one loom run and auto_accelerate read: {why}. Lookup order: "
+                   f"{'; '.join(cf.lookup_order())} (docs/config.md); use it with --config-file {target} or "
+                   f"{cf.ENV_VAR}={target}.", err=True)
+
+
+@config.command("show")
+@click.option("--file", "path", default=None, type=click.Path(dir_okay=False),
+              help="show this file (default: the one the lookup finds)")
+def config_show(path: str | None) -> None:
+    """Print the config file in use (validated) and what `loom run` and auto_accelerate take from it."""
+    from .strategy import config_file as cf
+
+    try:
+        found = cf.find(path)
+    except cf.ConfigFileError as e:
+        raise _BadInput(str(e)) from e
+    if found is None:
+        off = os.environ.get(cf.ENV_VAR, "").strip().lower() == cf.OFF
+        click.echo(f"no torchloom config file is read ({cf.ENV_VAR}=none)." if off else
+                   "no torchloom config file; looked at, in order:\n" +
+                   "".join(f"  {i}. {p}\n" for i, p in enumerate(cf.lookup_order(), 1)) +
+                   "write one with `loom config`.")
+        return
+    click.echo(f"# {found.path} ({found.source})")
+    click.echo(found.to_yaml(), nl=False)
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in found.launch.items()) or "nothing"
+    click.echo(f"# auto_accelerate(strategy=None) uses: "
+               f"{'plain data parallel (no strategy here)' if found.strategy is None else repr(found.strategy)}")
+    click.echo(f"# loom run uses: {flags} (where its own flags are not given)")
+
+
+def _stdin_is_tty() -> bool:
+    return sys.stdin.isatty()
+
+
+def _default_nproc() -> int:
+    """What `loom config` writes for --nproc when not given: one process per GPU, else 1."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def _strategy_value(text: str | None):
+    """``--strategy`` text as the file's list of methods (None for none); the same forms as `loom plan`'s."""
+    from .search.plan_cli import parse_strategy_option
+    from .strategy import config_file as cf
+
+    if text is None or text.strip().lower() in ("", "none", "null"):
+        return None
+    try:
+        return cf.compact_methods(parse_strategy_option(text))
+    except cf.StrategyError as e:
+        raise cf.ConfigFileError(f"--strategy {text!r}: {e}") from e
+
+
+def _ask_config(kw: dict) -> tuple[str | None, dict]:
+    """The questions of an interactive `loom config`; each answer is checked as it is given."""
+    from .strategy import config_file as cf
+
+    def check(key):
+        def proc(value):
+            try:
+                return cf.parse({"config_version": 1, "launch": {key: value}}).launch[key]  # checked as on read
+            except cf.ConfigFileError as e:
+                raise click.BadParameter(str(e).split("launch: ", 1)[-1]) from e
+        return proc
+
+    def check_strategy(value):
+        try:
+            _strategy_value(value)
+        except cf.ConfigFileError as e:
+            raise click.BadParameter(str(e)) from e
+        return value
+
+    kw = dict(kw)
+    strategy = click.prompt("Strategy for auto_accelerate(strategy=None): methods, comma-separated (e.g. fsdp,amp), "
+                            "or none", default="none", value_proc=check_strategy)
+    kw["nproc"] = click.prompt("Processes per node (loom run --nproc)", default=str(_default_nproc()),
+                               value_proc=check("nproc"))
+    kw["nnodes"] = click.prompt("Nodes: N, or MIN:MAX for an elastic job", default="1", value_proc=check("nnodes"))
+    if kw["nnodes"] != "1":
+        kw["rdzv_endpoint"] = click.prompt("Rendezvous endpoint HOST:PORT (on one of the nodes)",
+                                           value_proc=check("rdzv_endpoint"))
+        kw["rdzv_id"] = click.prompt("Job id, the same on every node", default="loom", value_proc=check("rdzv_id"))
+        kw["max_restarts"] = click.prompt("Restarts of the worker group on failure", default="0",
+                                          value_proc=lambda v: check("max_restarts")(int(v) if v.isdigit() else v))
+    return strategy, kw
 
 
 # ----------------------------------------------------------------------------------------- train

@@ -79,7 +79,7 @@ class LoomConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"config_version": CONFIG_VERSION,
                 "strategy": None if self.strategy is None else compact_methods(self.strategy),
-                "launch": dict(self.launch)}
+                "launch": {k: int(v) if k == "nnodes" and v.isdigit() else v for k, v in self.launch.items()}}
 
     def to_yaml(self) -> str:
         import yaml
@@ -239,7 +239,10 @@ def parse(data: Any, path: Path | None = None, source: str = "--file") -> LoomCo
     if not isinstance(launch, dict):
         raise bad(f"launch must be a mapping of loom run settings (e.g. launch: {{nproc: 2}}), got {launch!r}.")
     try:
-        launch = {k: _launch_value(k, v) for k, v in launch.items()}
+        items = [_launch_item(k, v) for k, v in launch.items()]
+        launch = dict(items)
+        if len(launch) < len(items):
+            raise ValueError("nproc is given twice (nproc and nproc_per_node); keep one")
     except ValueError as e:
         raise bad(f"launch: {str(e).rstrip('.')}.") from None
     return LoomConfig(strategy=strategy, launch=launch, path=path, source=source)
@@ -275,8 +278,8 @@ def _parse_strategy(value: Any) -> Strategy | None:
     return Strategy(value)
 
 
-def _launch_value(key: Any, value: Any) -> Any:
-    """One launch setting, typed as ``LaunchOptions`` declares it; ``nproc``/``nnodes`` checked as ``loom run``
+def _launch_item(key: Any, value: Any) -> tuple[str, Any]:
+    """One launch setting ``(key, value)``, typed as ``LaunchOptions`` declares it; ``nproc``/``nnodes`` checked as ``loom run``
     would (so a bad file fails before any process starts)."""
     from ..config_values import coerce_value
     from ..elastic.launcher import LaunchOptions, _check_nproc
@@ -294,14 +297,14 @@ def _launch_value(key: Any, value: Any) -> Any:
             s = _check_nproc(value)
         except ValueError as e:
             raise ValueError(str(e).removeprefix("--")) from None
-        return int(s) if s.isdigit() else s
+        return key, int(s) if s.isdigit() else s
     if key == "nnodes":
         s = str(value).strip()
         if isinstance(value, bool) or not re.fullmatch(r"[1-9][0-9]*(:[1-9][0-9]*)?", s):
-            raise ValueError(f"nnodes must be N or MIN:MAX (positive integers; quote MIN:MAX in YAML), got {value!r}.")
-        return s
+            raise ValueError(f"nnodes must be N or MIN:MAX (positive integers), got {value!r}.")
+        return key, s
     hint = typing.get_type_hints(LaunchOptions)[key]
-    return coerce_value(value, hint, key, ValueError)
+    return key, coerce_value(value, hint, key, ValueError)
 
 
 @functools.lru_cache(maxsize=None)

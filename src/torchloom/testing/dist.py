@@ -14,6 +14,7 @@ import socket
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,17 +50,24 @@ def _worker(fn, rank, world_size, port, outdir, args, kwargs, env):
     except BaseException as e:  # noqa: BLE001 - report every failure to the parent
         payload = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         code = 1
-    with open(Path(outdir) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(payload, f)
+    try:
+        data = pickle.dumps(payload)
+    except Exception as e:  # noqa: BLE001 - an unpicklable result must still reach the parent as an error
+        data = pickle.dumps(("error", f"rank {rank}: the result of {getattr(fn, '__qualname__', fn)!r} cannot be "
+                                      f"pickled ({type(e).__name__}: {e}); return plain data, tensors or modules."))
+        code = 1
+    tmp = Path(outdir) / f"rank{rank}.pkl.tmp"
+    tmp.write_bytes(data)
+    tmp.rename(tmp.with_suffix(""))  # the parent never reads a half-written result
     clean_exit(code)
 
 
 FAILURE_GRACE_S = 120.0  # after one rank fails, how long the others get to finish (they may be stuck in a collective)
 
 
-def _wait_all(procs: list, timeout: float) -> None:
+def _wait_all(procs: list, timeout: float, grace_s: float = FAILURE_GRACE_S) -> None:
     """Wait until every process has exited, ``timeout`` seconds in all (one deadline, not one per process), or
-    until ``FAILURE_GRACE_S`` after the first rank exited with an error: its peers are then usually blocked in
+    until ``grace_s`` after the first rank exited with an error: its peers are then usually blocked in
     a collective that can never complete, and waiting the whole timeout would only delay the report."""
     deadline = time.monotonic() + timeout
     failed_at = None
@@ -67,9 +75,62 @@ def _wait_all(procs: list, timeout: float) -> None:
         now = time.monotonic()
         if failed_at is None and any(p.exitcode not in (0, None) for p in procs):
             failed_at = now
-        if now >= deadline or (failed_at is not None and now - failed_at >= FAILURE_GRACE_S):
+        if now >= deadline or (failed_at is not None and now - failed_at >= grace_s):
             return
         alive[0].join(0.2)  # returns at once if it has exited since the list was taken
+
+
+@dataclass
+class RankOutcome:
+    """How one rank of :func:`start_ranks` ended.
+
+    status: ``"ok"`` (``value`` is fn's result), ``"error"`` (``value`` is ``"rank R: Type: message\n<traceback>"``),
+    ``"hung"`` (still running at the deadline; stopped) or ``"died"`` (exited without a result).
+    exitcode: the process's exit status (negative: killed by that signal). finished_ns: when the rank wrote
+    its result (the file's mtime), None without one; it orders failures in time.
+    """
+
+    rank: int
+    status: str
+    value: Any = None
+    exitcode: int | None = None
+    finished_ns: int | None = None
+
+
+def start_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict | None = None, *,
+                timeout: float = 300.0, env: dict[str, str] | None = None, start_method: str = "spawn",
+                grace_s: float = FAILURE_GRACE_S) -> list[RankOutcome]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (``start_method`` processes, each ending through
+    ``clean_exit``); return every rank's :class:`RankOutcome`. Never raises for a rank's failure. Ranks still
+    running at ``timeout`` seconds (all ranks together), or ``grace_s`` after another rank failed, are killed;
+    so are all of them when the caller is interrupted (KeyboardInterrupt is re-raised)."""
+    ctx = mp.get_context(start_method)
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="loom_ranks_") as outdir:
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, port, outdir, args, kwargs or {}, env or {}))
+            for r in range(world_size)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            _wait_all(procs, timeout, grace_s)
+        finally:
+            hung = [r for r, p in enumerate(procs) if p.is_alive()]
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        outcomes = []
+        for r, p in enumerate(procs):
+            out = Path(outdir) / f"rank{r}.pkl"
+            if not out.exists():
+                outcomes.append(RankOutcome(r, "hung" if r in hung else "died", None, p.exitcode))
+                continue
+            with open(out, "rb") as f:
+                status, value = pickle.load(f)
+            outcomes.append(RankOutcome(r, status, value, p.exitcode, out.stat().st_mtime_ns))
+        return outcomes
 
 
 def run_ranks(
@@ -89,36 +150,18 @@ def run_ranks(
         RuntimeError: a rank raised (its traceback is included), died, or ran past ``timeout`` seconds (all
             ranks together; ranks still running ``FAILURE_GRACE_S`` after another rank failed are stopped).
     """
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="loom_ranks_") as outdir:
-        procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, port, outdir, args, kwargs, env or {}))
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        _wait_all(procs, timeout)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        errors, results = [], []
-        for r, p in enumerate(procs):
-            out = Path(outdir) / f"rank{r}.pkl"
-            if not out.exists():
-                state = "hung (timeout)" if r in hung else f"died with exit code {p.exitcode}"
-                errors.append(f"rank {r} {state} without a result")
-                continue
-            with open(out, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                errors.append(value)
-            else:
-                results.append(value)
-            if p.exitcode not in (0, None) and status == "ok":
-                errors.append(f"rank {r} returned a result but exited with code {p.exitcode}")
-        if errors:
-            raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
-        return results
+    errors, results = [], []
+    for o in start_ranks(fn, world_size, args, kwargs, timeout=timeout, env=env):
+        if o.status in ("hung", "died"):
+            state = "hung (timeout)" if o.status == "hung" else f"died with exit code {o.exitcode}"
+            errors.append(f"rank {o.rank} {state} without a result")
+            continue
+        if o.status == "error":
+            errors.append(o.value)
+        else:
+            results.append(o.value)
+        if o.exitcode not in (0, None) and o.status == "ok":
+            errors.append(f"rank {o.rank} returned a result but exited with code {o.exitcode}")
+    if errors:
+        raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+    return results
