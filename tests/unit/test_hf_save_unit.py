@@ -67,7 +67,9 @@ def test_existing_directory_keeps_other_files_and_loses_stale_shards(tmp_path):
 
     d = tmp_path / "out"
     model = tiny_llama(0)
+    (tmp_path / ".out.torchloom-tmp-deadbeef").mkdir()  # a killed save's staging directory
     save_pretrained(model, d, max_shard_size="60KB")
+    assert not (tmp_path / ".out.torchloom-tmp-deadbeef").exists()
     assert len(list(d.glob("model-*-of-*.safetensors"))) >= 2
     (d / "notes.txt").write_text("mine")
     (d / "checkpoints").mkdir()

@@ -106,6 +106,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, tokeniz
         if dest.exists() and not dest.is_dir():
             raise CheckpointError(f"save_pretrained: {dest} exists and is not a directory")
         dest.parent.mkdir(parents=True, exist_ok=True)
+        for stale in dest.parent.glob(f".{dest.name}.torchloom-tmp-*"):  # left by a save that was killed
+            shutil.rmtree(stale, ignore_errors=True)
         staged = dest.parent / f".{dest.name}.torchloom-tmp-{uuid.uuid4().hex[:8]}"
         staged.mkdir()
         try:
