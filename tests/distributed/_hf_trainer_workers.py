@@ -20,7 +20,7 @@ def tiny_llama():
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+                      num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1)  # RNG must resume too
     return LlamaForCausalLM(cfg)
 
 
@@ -208,7 +208,7 @@ def train_stop_resume(tmp: str) -> dict:
         out[f"{tier}_ckpts"] = sorted(p.name for p in Path(d).glob("checkpoint-*"))
         out[f"{tier}_layout"] = sorted(str(p.relative_to(d)) for p in Path(d).glob("*/*") if "rank" not in p.name)
         second = trainer(d, torchloom_checkpoint=tier, save_strategy="no")  # (a saver start costs ~5 s)
-        second.train(resume_from_checkpoint=True)
+        second.train(resume_from_checkpoint=True if tier == "disk" else str(Path(d) / f"checkpoint-{STOP}"))
         out[f"{tier}_losses"] = {**losses(first), **losses(second)}
         out[f"{tier}_params"] = full_params(second.torchloom.model)
         out[f"{tier}_state"] = (second.state.global_step, second.state.epoch)

@@ -103,6 +103,7 @@ class TorchloomTrainer(Trainer):
         self.torchloom_args = dict(torchloom_args or {})
         self.torchloom = None  # the AccelerateResult, after setup
         self._tl_flash = None
+        self._tl_rng = None  # the RNG state a resume restored, re-applied once the loader's iterator exists
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._tl_setup()
 
@@ -281,9 +282,18 @@ class TorchloomTrainer(Trainer):
         step_fn, loader = self.torchloom.train_step, train_dataloader
         accum = step_fn.grad_accum_steps
         loader.set_epoch(epoch)  # a restored position of this epoch is kept
+        # Resumed mid-epoch: creating the iterator draws from the torch RNG (the DataLoader's base seed), which the
+        # uninterrupted run did at the epoch's start; re-apply the restored state after it (at an epoch start both
+        # runs draw, so nothing is re-applied). Dropout masks then continue exactly.
+        rng, self._tl_rng = (self._tl_rng if _position(loader) > 0 else None), None
         grad_norm, learning_rate, step = None, None, -1
         model.train()
         for inputs in loader:
+            if rng is not None:
+                from torchloom.checkpoint.state import restore_rng
+
+                restore_rng(rng)
+                rng = None
             step = _position(loader) - 1  # micro-batch index in the epoch
             if step_fn.micro_step % accum == 0:
                 self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
@@ -402,6 +412,9 @@ class TorchloomTrainer(Trainer):
         if int(info["step"]) != step:
             raise RuntimeError(f"{checkpoint}: the torchloom state is of step {info['step']}, trainer_state.json of "
                                f"step {step}.")
+        from torchloom.checkpoint.state import capture_rng
+
+        self._tl_rng = capture_rng()
 
     # ------------------------------------------------------------------------------------------ export
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
