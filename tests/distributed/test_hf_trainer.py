@@ -1,7 +1,7 @@
 """``torchloom.hf.TorchloomTrainer``: ``transformers.Trainer.train()`` with ``["fsdp", "amp", "checkpoint"]`` on 2 gloo
-ranks (a tiny Llama with dropout), stopped at step 3 (mid-epoch) and resumed by a new Trainer through the disk and the flash tier, against
-the uninterrupted run and a plain torchloom loop (all bitwise); evaluate() and save_model(); and the argument checks
-(one process, nothing distributed: they raise before the Trainer is built)."""
+ranks (a tiny Llama with dropout), stopped at step 3 (mid-epoch) and resumed by a new Trainer through the disk and the
+flash tier, against the uninterrupted run and a plain torchloom loop (all bitwise); evaluate() and save_model(); and
+the argument checks (one process, nothing distributed: they raise before the Trainer is built)."""
 from __future__ import annotations
 
 import pytest
