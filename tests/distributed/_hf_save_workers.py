@@ -84,6 +84,8 @@ def save_rank(tmp: str) -> dict:
             except TypeError as e:
                 rec["refused"] = str(e)
             res.model.save_pretrained(root / "routed")  # HF's method on the sharded model: routed to ours
+        elif tag == "pp":  # a PipelinedModel is no HF module: its own save_pretrained is ours
+            rec["path"] = str(res.model.save_pretrained(root / tag))
         else:
             rec["path"] = str(save_pretrained(res.model, root / tag))
         out[tag] = rec

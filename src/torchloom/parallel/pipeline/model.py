@@ -48,6 +48,13 @@ class PipelinedModel(nn.Module):
             "evaluation losses."
         )
 
+    def save_pretrained(self, save_directory, **kwargs: Any):
+        """The whole model (every stage) in Hugging Face format: ``torchloom.hf.save_pretrained(self,
+        save_directory, **kwargs)``. Collective: call on every rank; rank 0 writes (docs/hf.md)."""
+        from torchloom.hf.save import save_pretrained
+
+        return save_pretrained(self, save_directory, **kwargs)
+
     def train(self, mode: bool = True) -> "PipelinedModel":
         super().train(mode)
         for p in self.parts:  # the stage copies of the containers carry their own `training` flag
