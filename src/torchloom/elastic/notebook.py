@@ -129,16 +129,23 @@ def _start_method(fn, requested: str | None) -> str:
 
 
 def _launch_error(failed, timeout) -> NotebookLaunchError:
+    others_failed = any(o.status != "hung" for o in failed)  # then hung ranks were stopped by the grace period
+
     def message(o) -> str:
         if o.status == "error":
             return o.value
         if o.status == "hung":
-            return (f"rank {o.rank}: still running after the timeout of {timeout} s, or 10 s after another rank "
-                    "failed; stopped")
+            why = "10 s after another rank failed" if others_failed else f"at the timeout of {timeout} s"
+            return f"rank {o.rank}: still running {why}; stopped"
         if o.status == "died":
             return f"rank {o.rank}: died without a result ({_describe(o.exitcode)})"
         return f"rank {o.rank}: returned a result but exited with code {o.exitcode}"
 
+    if not others_failed:  # a timeout, no failure
+        ranks = ", ".join(str(o.rank) for o in failed)
+        text = f"rank(s) {ranks} still running at the timeout of {timeout} s; stopped"
+        return NotebookLaunchError(f"notebook_launcher: {text}", failed[0].rank, text,
+                                   {o.rank: message(o) for o in failed})
     order = sorted(failed, key=lambda o: (o.finished_ns is None, o.status == "hung", o.finished_ns or 0, o.rank))
     first = order[0]
     text = message(first)

@@ -386,7 +386,7 @@ def _agree_across_ranks(path: str | None, strategy: dict | None, error: str | No
             what = f"{Strategy.from_dict(s)!r} from {p}" if s is not None else (
                 f"no strategy ({'no config file' if p is None else p})")
             groups.setdefault(what, []).append(r)
-        listing = "; ".join(f"ranks {_ranges(rs)}: {what}" for what, rs in groups.items())
+        listing = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {what}" for what, rs in groups.items())
         raise ConfigFileError(
             f"auto_accelerate(strategy=None): the ranks read different strategies from their config files "
             f"({listing}). Make the file the same on every node (or point {ENV_VAR} at a shared one), pass "
