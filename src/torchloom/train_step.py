@@ -35,6 +35,52 @@ class SumLoss:
     total: torch.Tensor
     count: int | torch.Tensor
 
+    @classmethod
+    def from_hf(cls, output: Any, labels: torch.Tensor, num_items_in_batch: Any = None, ignore_index: int = -100,
+                shift: bool = True) -> "SumLoss":
+        """Token-exact causal-LM loss from a Hugging Face output and its ``ignore_index``-padded labels.
+
+        ``total`` is the cross-entropy (computed in fp32) summed over the valid targets, ``count`` their number
+        (int64 0-dim tensor): ``train_step`` then divides by the count over all accumulation steps and
+        data-parallel ranks, i.e. the update is the whole global batch's per-token mean however it is split.
+        Same numerics as ``transformers.loss.loss_utils.ForCausalLMLoss`` (docs/hf.md, "Loss normalisation").
+
+        Args:
+            output: a causal-LM output (``.logits`` ``[B, T, V]``, any float dtype), a mapping with "logits",
+                a ``(loss?, logits, ...)`` tuple, or the logits tensor.
+            labels: ``[B, T]`` int64, ``ignore_index`` where there is no target (padding, prompt tokens).
+            num_items_in_batch: what ``transformers.Trainer`` passes its loss functions (the valid tokens of
+                the whole accumulation window, possibly of all devices). Accepted so HF-style loss functions
+                port unchanged, but it does NOT divide the loss: torchloom's train_step already divides by
+                the global count, so using it too would normalise twice. An int (or CPU tensor) smaller than
+                this micro-batch's own count cannot be such a total and raises.
+            ignore_index: the label value without a target (HF: -100).
+            shift: True (HF causal LM): position t predicts ``labels[:, t + 1]``; False: labels already aligned.
+
+        Raises:
+            TypeError: no logits in ``output``. ValueError: logits/labels shapes differ, or
+            ``num_items_in_batch`` is below this micro-batch's count.
+        """
+        from .hf.loss import causal_lm_logits, causal_lm_sum
+
+        total, count = causal_lm_sum(causal_lm_logits(output), labels, ignore_index=ignore_index, shift=shift)
+        if num_items_in_batch is not None:
+            _check_num_items(num_items_in_batch, count)
+        return cls(total, count)
+
+
+def _check_num_items(num_items: Any, count: torch.Tensor) -> None:
+    """``num_items_in_batch`` is a total over a window that includes this micro-batch: at least its count.
+    Checked only where it costs no device sync (an int, or both on the CPU)."""
+    if isinstance(num_items, torch.Tensor) and (num_items.device.type != "cpu" or count.device.type != "cpu"):
+        return
+    n, mine = float(num_items), int(count)
+    if n < mine:
+        raise ValueError(
+            f"SumLoss.from_hf: num_items_in_batch={n:g} is smaller than this micro-batch's {mine} valid tokens, so "
+            "it is not the token count of a window containing it. It is not needed: train_step divides by the "
+            "global count itself (docs/hf.md); drop the argument.")
+
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to ``device``: through mappings (their type kept when it can be
@@ -107,7 +153,14 @@ class TrainStep:
 
     Steps the optimizer (and scheduler) every ``grad_accum_steps`` calls; between them gradients
     accumulate locally (DDP ``no_sync`` / FSDP2 ``set_requires_gradient_sync(False)``). Returns the
-    micro-batch loss (detached fp32 scalar, unscaled; for :class:`SumLoss` the mean per item).
+    micro-batch loss as a detached fp32 0-dim tensor on the loss's device, unscaled, the same on every rank:
+    with ``loss_report="global"`` (default) the mean over the data-parallel ranks' micro-batches of this call
+    (for :class:`SumLoss` token-exact: the ranks' totals summed / their counts summed; tensor- and
+    pipeline-parallel peers hold the same value). It costs one 2-element all-reduce over the dp group per call,
+    issued asynchronously as soon as the loss is known (it overlaps the backward and the optimizer step;
+    pipelined: the step) and waited before returning (on NCCL the wait is a stream dependency, not a host
+    sync). ``loss_report="local"`` (constructor argument or attribute) returns this rank's own micro-batch
+    loss without communication; ``last_local_loss`` always holds it.
 
     Attributes after an optimizer step: ``last_grad_norm`` (fp32, global, before clipping, or None),
     ``last_step_skipped`` (fp16 overflow), ``optimizer_steps``; with :class:`torchloom.moe.MoE` layers
@@ -133,9 +186,11 @@ class TrainStep:
                  model_input_format: str | None = None, prepare_input: Callable | None = None,
                  dp_group: dist.ProcessGroup | None = None, dp_size: int = 1,
                  step_contexts: Sequence[Callable[[], Any]] = (), grad_norm_groups: Sequence[dist.ProcessGroup] = (),
-                 pre_step_hooks: Sequence[Callable[[list], None]] = ()):
+                 pre_step_hooks: Sequence[Callable[[list], None]] = (), loss_report: str = "global"):
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+        self.loss_report = loss_report  # validated per call too: it is a public attribute users may set
+        _check_loss_report(loss_report)
         self.model = model
         self.optimizer = optimizer
         self.loss_func = loss_func
@@ -155,7 +210,8 @@ class TrainStep:
         self.optimizer_steps = 0
         self.last_grad_norm: torch.Tensor | None = None
         self.last_step_skipped = False
-        self._count = 0.0  # items summed over the current accumulation window (SumLoss)
+        self.last_local_loss: torch.Tensor | None = None  # this rank's micro-batch loss of the last call
+        self._count: float | torch.Tensor = 0.0  # items summed over the current accumulation window (SumLoss)
         self._sum_mode: bool | None = None
         self._pipeline = _pipeline_driver(model)  # drives the schedule when the model is pipelined
         self._two_pass = _is_two_pass(optimizer)  # WSAM/SAM: the window is replayed at perturbed weights
@@ -175,26 +231,50 @@ class TrainStep:
         batch = self.prepare_input(batch, self.device)
         if self._two_pass:
             self._window.append(batch)
-            report = self._forward_backward(batch, self._first_pass_sync(sync))
+            report, reduced = self._forward_backward(batch, self._first_pass_sync(sync), report=True)
         else:
-            report = self._forward_backward(batch, self._maybe_no_sync(sync))
+            report, reduced = self._forward_backward(batch, self._maybe_no_sync(sync), report=True)
         self.micro_step += 1
         if sync:
             self.step()
-        return report
+        return self._reported(report, reduced)
 
-    def _forward_backward(self, batch: Any, sync_context: Any) -> torch.Tensor:
-        """Forward, loss and backward of one prepared micro-batch; returns the loss to report."""
+    # ------------------------------------------------------------------------------------------------ report
+    def _start_report(self, stat: torch.Tensor) -> tuple[torch.Tensor, Any] | None:
+        """Start the all-reduce of ``[numerator, denominator]`` over dp (``loss_report="global"`` with dp > 1),
+        asynchronously: it runs during the backward (and the optimizer step). Every dp rank issues it at the
+        same point of every call, before the backward's gradient collectives."""
+        _check_loss_report(self.loss_report)
+        if self.loss_report != "global" or self.dp_size <= 1:
+            return None
+        return stat, dist.all_reduce(stat, group=self.dp_group, async_op=True)
+
+    def _reported(self, local: torch.Tensor, reduced: tuple[torch.Tensor, Any] | None) -> torch.Tensor:
+        """The loss to return (class docstring): this rank's, or the dp-global one once its all-reduce is done
+        (on NCCL ``wait`` orders the current stream after it; no host sync)."""
+        self.last_local_loss = local
+        if reduced is None:
+            return local
+        stat, work = reduced
+        work.wait()
+        return (stat[0] / stat[1].clamp(min=1.0)).float()
+
+    def _forward_backward(self, batch: Any, sync_context: Any, report: bool = False) -> tuple[torch.Tensor, Any]:
+        """Forward, loss and backward of one prepared micro-batch; returns this rank's loss to report and, with
+        ``report``, the in-flight global report (``_start_report``)."""
         with sync_context, contextlib.ExitStack() as stack:
             for make_context in self.step_contexts:
                 stack.enter_context(make_context())
             output = call_model(self.model, batch, self.model_input_format)
             count_before = self._count
-            loss, report = self._loss(batch, output)
+            loss, local, stat = self._loss(batch, output)
+            reduced = self._start_report(stat) if report else None
             # the output (logits: micro-batch x seq x vocab) is not needed for backward: a plain loop's
             # `loss = model(x).loss` drops it here too; keeping it raised the peak by one logits tensor
             del output
-            aux_factor = self._aux_factor(self._count - count_before)
+            added = self._count - count_before
+            # a tensor count is read back (a host sync) only for MoE layers, whose aux scale is a float
+            aux_factor = self._aux_factor(float(added) if self._moe or not isinstance(added, torch.Tensor) else 0.0)
             if loss.grad_fn is None:
                 raise RuntimeError(
                     "the loss does not depend on any trainable parameter (no grad_fn): loss_func must compute it "
@@ -212,9 +292,12 @@ class TrainStep:
                 if hint is not None:
                     raise RuntimeError(f"{e}\n{hint}") from e
                 raise
-        return report
+        return local, reduced
 
-    def _loss(self, batch, output) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loss(self, batch, output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(loss to backpropagate, this rank's loss to report, [numerator, denominator])``: the last is fp64
+        on the loss's device, ``[total, count]`` for SumLoss and ``[mean, 1]`` otherwise (summed over dp ranks
+        it gives the global report)."""
         out = self.loss_func(batch, output) if self.loss_func is not None else _output_loss(output)
         is_sum = isinstance(out, SumLoss)
         if self._sum_mode is not None and self._sum_mode != is_sum:
@@ -222,9 +305,16 @@ class TrainStep:
                             "cannot be accumulated together).")
         self._sum_mode = is_sum
         if is_sum:
-            count = float(out.count)
-            self._count += count
-            return out.total, (_local(out.total.detach()).float() / max(count, 1.0))
+            total = _local(out.total.detach()).float()
+            if isinstance(out.count, torch.Tensor):  # kept on its device: no host sync per micro-batch
+                count = out.count.detach().to(total.device, torch.float64)
+                report = total / count.float().clamp(min=1.0)
+            else:
+                count = float(out.count)
+                report = total / max(count, 1.0)
+            self._count = self._count + count
+            return out.total, report, torch.stack([total.double(), torch.as_tensor(count, dtype=torch.float64,
+                                                                                    device=total.device)])
         if isinstance(out, (tuple, list)):
             out = out[0]
         if not isinstance(out, torch.Tensor) or out.dim() != 0:
@@ -233,7 +323,8 @@ class TrainStep:
                 + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else "")
             )
         # mean over micro-batches: gradients of one global batch equal the full-batch mean
-        return out / self.grad_accum_steps, _local(out.detach()).float()
+        report = _local(out.detach()).float()
+        return out / self.grad_accum_steps, report, torch.stack([report.double(), torch.ones_like(report.double())])
 
     def _aux_factor(self, count: float, num_microbatches: int = 1) -> float:
         """The gradient factor of the MoE aux losses: the main loss's own (docstring of the class)."""
@@ -285,8 +376,8 @@ class TrainStep:
 
         def loss_fn(sub_batch, output):
             before = self._count
-            loss, report = self._loss(sub_batch, output)
-            count, self._count = self._count - before, before  # counted once for every rank below
+            loss, report, _stat = self._loss(sub_batch, output)
+            count, self._count = float(self._count - before), before  # counted once for every rank below
             if loss.grad_fn is None:
                 raise RuntimeError(
                     "the loss does not depend on any trainable parameter (no grad_fn): loss_func must compute it "
@@ -311,11 +402,13 @@ class TrainStep:
                 raise TypeError("loss_func must return SumLoss every time or never (gradients of sums and of means "
                                 "cannot be accumulated together).")
             self._sum_mode = stats["sum_mode"]
-        self._count += stats["count"]
+        self._count = self._count + stats["count"]
         self.micro_step += 1
+        stat = torch.tensor([stats["num"], stats["den"]], dtype=torch.float64, device=self._pipeline.device)
+        reduced = self._start_report(stat)  # in flight during the optimizer step
         if sync:
             self.step()
-        return stats["report"]
+        return self._reported(stats["report"], reduced).cpu()
 
     def _check_pipeline_sum_aux(self, sum_mode: bool | None) -> None:
         """SumLoss + MoE aux losses under pipeline parallelism: the aux factor would need each micro-batch's
@@ -396,7 +489,8 @@ class TrainStep:
             m.reset_window()
 
     def _normalise_by_global_count(self, params) -> None:
-        count = torch.tensor([self._count], dtype=torch.float64)
+        # on the training device: an NCCL group has no CPU backend; one host sync per optimizer step
+        count = torch.as_tensor(self._count, dtype=torch.float64, device=self.device).reshape(1).clone()
         if self.dp_size > 1:
             dist.all_reduce(count, group=self.dp_group)
         self._count = 0.0
@@ -505,6 +599,12 @@ class TrainStep:
         self._window = []
         if self.loss_scaler is not None and state.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+
+def _check_loss_report(value: str) -> None:
+    if value not in ("global", "local"):
+        raise ValueError(f"loss_report={value!r} is not valid; use 'global' (the mean over data-parallel ranks, "
+                         "every rank the same) or 'local' (this rank's micro-batch loss, no communication).")
 
 
 def _is_two_pass(optimizer: Any) -> bool:

@@ -19,6 +19,7 @@ from torchloom.data.sampler import DataError, ElasticDistributedSampler, _Cursor
 __all__ = ["StatefulDataLoader", "build_dataloader"]
 
 _OWNED = ("sampler", "batch_sampler", "batch_size", "shuffle")
+ITERABLE_RESUME = ("auto", "state", "replay")
 
 
 class StatefulDataLoader:
@@ -39,6 +40,12 @@ class StatefulDataLoader:
       exact only if the dataset yields the same sequence every time (deterministic iterable, its own
       per-rank sharding, and per-worker sharding when ``num_workers > 0``). If the dataset defines
       ``set_epoch(epoch)`` it is called before each pass. Resume needs the same dp_size/micro batch.
+      A dataset with its own ``state_dict()``/``load_state_dict()`` (a Hugging Face
+      ``datasets.IterableDataset``, torchdata's ``Stateful`` protocol: ``state_dict()`` is the position
+      after the last example it yielded, ``load_state_dict(s)`` makes the next pass continue there) is
+      resumed from that state instead, without re-reading (``iterable_resume``, below); the state then
+      also holds ``"dataset_state"``: the dataset's state right after the last batch handed out
+      (per rank: each rank's shard has its own).
       With more than one process in ``group`` the ranks agree when the data ends (one small
       all-gather per optimizer step, see :func:`torchloom.data.join.join_batches`): every rank
       yields the same number of batches, so none waits in a collective; ``uneven`` says what
@@ -58,13 +65,20 @@ class StatefulDataLoader:
         group: batch-count mode: the ranks that must agree when the data ends (None: the default
             group, i.e. every process; nothing is exchanged without an initialised process group).
         uneven: batch-count mode: "drop" (default) or "error", see above.
+        iterable_resume: batch-count mode: "replay" re-reads ``batches_yielded`` batches; "state" restores
+            the dataset's own ``state_dict()`` (``num_workers=0`` only: with worker processes each worker
+            iterates its own copy of the dataset ahead of the batches handed out, so the main process's
+            dataset state is not the position); "auto" (default) is "state" when the dataset has the
+            methods, ``num_workers`` is 0 and it is not a Hugging Face dataset shuffled with a buffer
+            (whose buffer the state does not hold, so its resume is not exact), else "replay".
         **dataloader_kwargs: forwarded to ``DataLoader`` (``num_workers``, ``collate_fn``,
             ``pin_memory``, ``persistent_workers``, ...).
 
     Raises:
         DataError: ``sampler``/``batch_sampler``/``shuffle`` in ``dataloader_kwargs`` (the order is
             owned by the sampler), ``batch_size`` that disagrees with the sampler, a dataset length
-            that differs from ``sampler.num_samples``, or an unrestorable ``load_state_dict``.
+            that differs from ``sampler.num_samples``, an unrestorable ``load_state_dict``, or
+            ``iterable_resume="state"`` that cannot be honoured (no methods, ``num_workers > 0``).
     """
 
     def __init__(
@@ -77,6 +91,7 @@ class StatefulDataLoader:
         dp_size: int = 1,
         group: dist.ProcessGroup | None = None,
         uneven: str = "drop",
+        iterable_resume: str = "auto",
         **dataloader_kwargs: Any,
     ) -> None:
         _reject_owned(dataloader_kwargs, allow_false_shuffle=sampler is None)
@@ -85,6 +100,14 @@ class StatefulDataLoader:
         self.dataset, self.sampler = dataset, sampler
         self.group, self.uneven = group, uneven
         self._cursor = _Cursor()
+        # batch-count mode with the dataset's own state: its state after the last batch handed out, and a
+        # loaded (epoch, batches, state) the next pass restores instead of re-reading
+        if iterable_resume not in ITERABLE_RESUME:
+            raise DataError(f"iterable_resume={iterable_resume!r} is not valid; use one of {list(ITERABLE_RESUME)}.")
+        self.resumes_from_dataset_state = sampler is None and _resume_from_state(
+            dataset, iterable_resume, int(dataloader_kwargs.get("num_workers", 0) or 0))
+        self._dataset_state: Any = None
+        self._pending_dataset_state: tuple[int, int, Any] | None = None
         if sampler is not None:
             if not isinstance(sampler, ElasticDistributedSampler):
                 raise DataError(
@@ -166,11 +189,21 @@ class StatefulDataLoader:
         c.begin(exhausted=False)
         if callable(getattr(self.dataset, "set_epoch", None)):
             self.dataset.set_epoch(c.epoch)
+        skip = c.consumed
+        pending, self._pending_dataset_state = self._pending_dataset_state, None
+        if pending is not None and pending[:2] == (c.epoch, c.consumed):
+            self.dataset.load_state_dict(pending[2])  # continues after the last batch handed out: no replay
+            self._dataset_state, skip = pending[2], 0
+        elif c.consumed == 0:
+            self._dataset_state = None
         it = iter(self.loader)
+        if self.resumes_from_dataset_state:
+            # read right after each batch is fetched: join_batches reads a step ahead of what is handed out
+            it = ((batch, self.dataset.state_dict()) for batch in it)
         joined = group_size(self.group) > 1  # ranks may hold different numbers of batches: agree on the end
         try:
             skip_error = None
-            for skipped in range(c.consumed):
+            for skipped in range(skip):
                 try:
                     next(it)
                 except StopIteration:
@@ -185,23 +218,29 @@ class StatefulDataLoader:
             source = join_batches(it, group=self.group, per_step=self.grad_accum_steps, uneven=self.uneven,
                                   epoch=c.epoch, skip_error=skip_error) if joined else it
             for batch in source:
+                if self.resumes_from_dataset_state:
+                    batch, self._dataset_state = batch
                 c.consumed += 1
                 yield batch
         finally:
             del it
         c.epoch, c.consumed = c.epoch + 1, 0
+        self._dataset_state = None
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (JSON-serializable ints/str) describing the position after the last yield."""
         c = self._cursor
         if self.sampler is None:
-            return {
+            state = {
                 "kind": "iterable",
                 "epoch": c.epoch,
                 "batches_yielded": c.consumed,
                 "dp_size": self.dp_size,
                 "micro_batch_size": self.micro_batch_size,
             }
+            if self.resumes_from_dataset_state:
+                state["dataset_state"] = self._dataset_state if c.consumed else None
+            return state
         state = self.sampler.state_dict()
         state.update(kind="map", epoch=c.epoch, consumed=c.consumed)
         return state
@@ -236,6 +275,11 @@ class StatefulDataLoader:
         if epoch < 0 or batches < 0:
             raise DataError(f"invalid data state: epoch={epoch}, batches_yielded={batches}.")
         self._cursor.restore(epoch, batches)
+        # without a dataset state (replay mode when saved, or now) the batches are re-read: exact for a
+        # deterministic dataset either way
+        ds_state = state.get("dataset_state")
+        self._pending_dataset_state = (epoch, batches, ds_state) if (
+            ds_state is not None and batches and self.resumes_from_dataset_state) else None
 
 
 def build_dataloader(
@@ -265,7 +309,9 @@ def build_dataloader(
     different numbers of batches: with more than one process in ``group`` (None: every process) they
     agree when the data ends, ``uneven="drop"`` (default: the surplus is dropped with a warning that
     names every rank's count) or ``"error"`` (``DataError`` on every rank); see ``docs/data.md``.
-    Map-style data is even by construction and exchanges nothing.
+    Map-style data is even by construction and exchanges nothing. An iterable with its own
+    ``state_dict()`` (a Hugging Face ``IterableDataset``) resumes from it without re-reading batches
+    (``iterable_resume`` in ``dataloader_kwargs``: "auto", "state", "replay"; see :class:`StatefulDataLoader`).
 
     Raises:
         DataError: neither batch size given; ``global_batch_size`` not divisible by ``dp_size`` or
@@ -288,6 +334,39 @@ def build_dataloader(
         seed=seed, shuffle=shuffle, drop_last=drop_last,
     )
     return StatefulDataLoader(dataset, sampler=sampler, **dataloader_kwargs)
+
+
+def _resume_from_state(dataset: Any, mode: str, num_workers: int) -> bool:
+    """Whether a batch-count loader restores ``dataset``'s own state (``iterable_resume``, class docstring)."""
+    stateful = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+    if mode == "state":
+        if not stateful:
+            raise DataError(f"iterable_resume='state' needs a dataset with state_dict()/load_state_dict(); "
+                            f"{type(dataset).__name__} has none. Use 'replay' (re-reads the batches).")
+        if num_workers:
+            raise DataError(
+                f"iterable_resume='state' needs num_workers=0 (got {num_workers}): each worker process iterates its "
+                "own copy of the dataset, ahead of the batches handed out, so the dataset's state in this process "
+                "is not the loader's position. Use num_workers=0, or 'replay' (re-reads the batches on resume), or "
+                "torchdata's StatefulDataLoader, which collects the workers' states.")
+        return True
+    return mode == "auto" and stateful and not num_workers and not _hf_buffer_shuffled(dataset)
+
+
+def _hf_buffer_shuffled(dataset: Any) -> bool:
+    """A Hugging Face ``IterableDataset.shuffle(buffer_size=...)`` chain: its state_dict() does not hold the
+    buffer ("examples from shuffle buffers are lost when resuming"), so only replay resumes it exactly."""
+    todo, seen = [getattr(dataset, "_ex_iterable", None)], 0
+    while todo and seen < 1000:
+        ex = todo.pop()
+        seen += 1
+        if ex is None:
+            continue
+        if type(ex).__name__ == "BufferShuffledExamplesIterable":
+            return True
+        todo.append(getattr(ex, "ex_iterable", None))
+        todo.extend(getattr(ex, "ex_iterables", None) or ())
+    return False
 
 
 def _reject_owned(kwargs: Mapping[str, Any], *, allow_false_shuffle: bool) -> None:

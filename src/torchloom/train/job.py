@@ -628,8 +628,11 @@ class Job:
                         tok_s = self.tokens_per_step / dt
                         mfu = self.flops_per_token * tok_s / (self.peak_flops * self.world)
                         mfus.append(mfu)
+                        # train_step returns the dp-global token mean, equal on every rank: taken as is (no
+                        # second average); the MoE path's cross-entropy (loss_func.take()) is per rank
+                        step_loss = float(g[:, 0].mean()) if self.expert_load is not None else float(g[0, 0])
                         rec = {
-                            "type": "train", "step": step, "loss": float(g[:, 0].mean()), "lr": lr,
+                            "type": "train", "step": step, "loss": step_loss, "lr": lr,
                             "grad_norm": float(ts.last_grad_norm) if ts.last_grad_norm is not None else None,
                             "tokens": self.tokens_per_step, "tokens_seen": self.tokens_seen,
                             "tokens_per_s": tok_s, "step_time_s": dt,

@@ -150,7 +150,8 @@ class PipelineDriver:
         """Forward (and backward) every micro-batch of ``batch`` through the pipeline.
 
         Returns (identical on every pipeline rank): ``report`` (fp32 0-dim: mean loss, or total / count for
-        SumLoss), ``count`` (SumLoss items in this call), ``sum_mode`` (bool or None).
+        SumLoss), ``count`` (SumLoss items in this call), ``sum_mode`` (bool or None), ``num``/``den``
+        (floats, ``report = num / den``).
 
         Raises:
             ValueError: the batch size does not divide into ``num_microbatches``, or an input cannot be routed.
@@ -219,7 +220,7 @@ class PipelineDriver:
         num, den, count, n_mean, n_sum = stats.tolist()
         sum_mode = True if n_sum else (False if n_mean else None)
         return {"report": torch.tensor(num / max(den, 1e-30), dtype=torch.float32), "count": count,
-                "sum_mode": sum_mode}
+                "sum_mode": sum_mode, "num": num, "den": den}  # num/den: train_step's dp-global loss
 
     def _schedule(self, key: tuple):
         if key in self._schedules:
