@@ -132,4 +132,50 @@ def trainable_only_rank(tmp: str) -> dict:
             out["lenient_warnings"] = [str(w.message) for w in caught if "trainable-only" in str(w.message)]
             loaded = full_params(wrong.model)
             out["lenient_adapters_loaded"] = not _equal({k: v for k, v in at_save.items() if "lora_" in k}, loaded)
+    out["pipeline"] = pipeline_case(str(tmp))
     return out
+
+
+def pipeline_case(tmp: str) -> dict:
+    """2 pipeline stages, attention projections trainable (the rest frozen): trainable-only save at step
+    ``SAVE_AT``, a fresh job (same base seed) loads and continues; the job's trainable set and fingerprint
+    are the union over the stages."""
+    import torchloom
+    from tests.models import tiny_llama, token_batches
+    from torchloom import checkpoint
+
+    def job(extra: tuple[str, ...] = ()):
+        model = tiny_llama(seed=0, layers=4)
+        for n, p in model.named_parameters():
+            p.requires_grad_(n.endswith(("q_proj.weight", "v_proj.weight", *extra)))
+        return torchloom.auto_accelerate(
+            model, torch.optim.AdamW, None, None, strategy=[("pipeline_parallel", {"size": 2})],
+            optim_args={"lr": 1e-2}, dataloader_args={"batch_size": 4, "micro_batch_size": 2},
+            model_input_format="unpack_dict", seed=0)
+
+    xs = token_batches(N_STEPS * 4, seq=SEQ, seed=11)
+    steps = [[{"input_ids": x, "labels": x} for x in xs[i * 4:(i + 1) * 4].split(2)] for i in range(N_STEPS)]
+
+    def train(res, part):
+        return [float(res.train_step(mb)) for step in part for mb in step]
+
+    root = Path(tmp) / "pp"
+    a = job()
+    train(a, steps[:SAVE_AT])
+    checkpoint.save(root, step=SAVE_AT, model=a.model, optimizer=a.optimizer, train_step=a.train_step,
+                    trainable_only=True)
+    tail_a = train(a, steps[SAVE_AT:])
+    b = job()
+    checkpoint.load(root, model=b.model, optimizer=b.optimizer, train_step=b.train_step)
+    tail_b = train(b, steps[SAVE_AT:])
+    final = lambda res: {n: p.detach().clone() for n, p in res.model.named_parameters()}  # noqa: E731
+    more = job(extra=("layers.3.self_attn.k_proj.weight",))  # trainable on the last stage only
+    err = _error(lambda: checkpoint.load(root, model=more.model, optimizer=more.optimizer))
+    return {"tail_equal": tail_a == tail_b, "diff": _equal(final(a), final(b)), "error": err,
+            "saved_trainable": len(_doc(root)["params"])}
+
+
+def _doc(root: Path) -> dict:
+    import json
+
+    return json.loads((root / f"step_{SAVE_AT:08d}" / "trainer_state.json").read_text())["trainable_only"]

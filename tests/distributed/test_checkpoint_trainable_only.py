@@ -1,5 +1,6 @@
 """Trainable-only checkpoints of a peft LoRA Llama on 2 ranks: bitwise resume (FSDP and DDP, disk tier; FSDP
-flash tier from memory) and the load errors. One launch (``trainable_only_rank``) does all of it.
+flash tier from memory) and the load errors; and a 2-stage pipeline with frozen layers (each stage holds
+part of the trainable set). One launch (``trainable_only_rank``) does all of it.
 
 A run trains 4 AdamW steps (2 micro-batches each, StepLR, the elastic dataloader) and saves at step 2
 with ``trainable_only=True``; a fresh model (base rebuilt from the same seed, adapters re-initialised) loads
@@ -73,3 +74,12 @@ def test_load_errors_name_the_keys_on_every_rank(ranks):
         assert err and "frozen parameters hold other values" in err and "strict=False" in err
         assert r["lenient_warnings"] and "hold other values" in r["lenient_warnings"][0]
         assert r["lenient_adapters_loaded"]  # strict=False: warned, adapters loaded onto that base
+
+
+def test_pipeline_stages_resume_bitwise_and_check_the_union(ranks):
+    for r in ranks[1]:
+        pp = r["pipeline"]
+        assert pp["tail_equal"] and pp["diff"] == []
+        assert pp["saved_trainable"] == 8  # q/v of 4 layers over both stages
+        assert pp["error"] and "failed on 2 rank(s)" in pp["error"]
+        assert "['model.layers.3.self_attn.k_proj.weight']" in pp["error"]

@@ -140,6 +140,13 @@ def test_another_base_is_refused_or_warned(tmp_path):
         ckpt.load(path, model=renamed)
 
 
+def test_offline_export_refuses_a_trainable_only_checkpoint(tmp_path):
+    path = ckpt.save(tmp_path / "ckpt", step=1, model=FrozenBN(), trainable_only=True)
+    with pytest.raises(CheckpointError, match="is trainable-only.*no model file can be written"):
+        ckpt.export_from_dcp(path, tmp_path / "model.safetensors")
+    assert not (tmp_path / "model.safetensors").exists()
+
+
 def test_loom_train_key_is_validated():
     assert TrainConfig().checkpoint.trainable_only is False
     assert TrainConfig.load(None, ["checkpoint.trainable_only=true"]).checkpoint.trainable_only is True

@@ -401,6 +401,9 @@ def export_from_dcp(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
     must be complete (valid ``COMPLETE`` marker) unless ``require_marker=False``, which also accepts a bare
     DCP directory from another tool. Tied weights recorded at save time are stored once, as in
     :func:`export_safetensors`. Reads with the safe DCP reader; needs memory for the whole model.
+
+    Raises:
+        CheckpointError: no usable checkpoint, or a trainable-only one (it holds no base model).
     """
     src = Path(checkpoint_dir)
     if not require_marker and (src / ".metadata").exists() and not (src / commit.MARKER).exists():
@@ -410,7 +413,14 @@ def export_from_dcp(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
         src, tensors = commit.select(src, lambda c: (check(c), read_model_tensors(c))[1])
     groups: list[list[str]] = []
     if (src / TRAINER_STATE).exists():
-        groups = ts.read_document(src).get("tied_params") or []
+        doc = ts.read_document(src)
+        groups = doc.get("tied_params") or []
+        if doc.get("trainable_only"):  # its model part is the adapters (and buffers): not a model file
+            raise CheckpointError(
+                f"checkpoint {src} is trainable-only: it holds the {len(doc['trainable_only']['params'])} "
+                f"trainable parameters and the buffers, not the frozen base, so no model file can be written "
+                f"from it. Load it onto the base model (torchloom.checkpoint.load) and export the live model "
+                f"(torchloom.hf.save_pretrained or torchloom.checkpoint.export_safetensors)")
     tensors, tied = _dedupe_tied(tensors, groups, f"checkpoint {src}")
     return _write_safetensors(tensors, tied, Path(out_path))
 

@@ -161,7 +161,10 @@ def _report(problems: list[str], where: str, strict: bool) -> None:
     warnings.warn(text, stacklevel=4)
 
 
-def _trainable_problems(rec: dict, saved_keys: set[str], model: nn.Module, per_rank: bool) -> list[str]:
+def _trainable_problems(rec: dict, saved_keys: set[str], model: nn.Module,
+                        per_rank: bool) -> tuple[list[str], set[str]]:
+    """The trainable-set mismatches, and every name trainable on either side (reported here, not again by
+    the base check)."""
     saved = set(rec.get("params") or []) & saved_keys if per_rank else set(rec.get("params") or [])
     trainable, frozen = param_sets(model)
     live = set(trainable)
@@ -182,20 +185,21 @@ def _trainable_problems(rec: dict, saved_keys: set[str], model: nn.Module, per_r
     absent = sorted(saved - live - frozen_names)
     if absent:
         out.append(f"{len(absent)} saved trainable parameters are not in the model {absent[:5]}")
-    return out
+    return out, saved | live
 
 
 def _close(a: float, b: float, scale: float) -> bool:
     return abs(a - b) <= REL_TOL * max(scale, 1e-30)
 
 
-def _base_problems(saved: dict, live: dict) -> list[str]:
+def _base_problems(saved: dict, live: dict, skip: set[str]) -> list[str]:
     st, lt = saved.get("tensors") or {}, live.get("tensors") or {}
     out = []
-    missing, extra = sorted(set(st) - set(lt)), sorted(set(lt) - set(st))
+    missing, extra = sorted(set(st) - set(lt) - skip), sorted(set(lt) - set(st) - skip)
     if missing or extra:
-        out.append(f"the frozen base differs from the saving run's: frozen there, not here {missing[:5]}; "
-                   f"frozen here, not there {extra[:5]}")
+        sides = [f"frozen when saved, not in the model {missing[:5]}" if missing else "",
+                 f"frozen in the model, not when saved {extra[:5]}" if extra else ""]
+        out.append("the frozen base differs from the saving run's: " + "; ".join(x for x in sides if x))
     layout = [n for n in sorted(set(st) & set(lt)) if (st[n].get("shape"), st[n].get("dtype"), st[n].get("same_as"))
               != (lt[n].get("shape"), lt[n].get("dtype"), lt[n].get("same_as"))]
     if layout:
@@ -232,9 +236,9 @@ def check_load(rec: dict, model: nn.Module, saved_keys: set[str], *, strict: boo
     """
     from torchloom.checkpoint.commit import run_everywhere
 
-    problems = _trainable_problems(rec, saved_keys, model, per_rank)  # collective for pipelines
+    problems, reported = _trainable_problems(rec, saved_keys, model, per_rank)  # collective for pipelines
     fingerprint = frozen_fingerprint(model)  # collective
-    problems += _base_problems(rec.get("frozen") or {}, fingerprint)
+    problems += _base_problems(rec.get("frozen") or {}, fingerprint, reported)
     run_everywhere(lambda: _report(problems, where, strict), f"loading {where}")
 
 

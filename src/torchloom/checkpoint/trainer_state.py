@@ -17,6 +17,10 @@ scaler_state    user-driven loss scaler's state (JSON)      document
 extra           user data (JSON)                            document
 ==============  ==========================================  ===============================================
 
+A trainable-only state (``Live.trainable_only``) leaves the frozen parameters out of ``model`` and records
+their fingerprint in the document; loading it checks that and loads on top of the live base
+(:mod:`~torchloom.checkpoint.trainable`).
+
 Rules shared by both tiers: ``strict=True`` requires every object passed to have state in the checkpoint
 and the model keys to match; a per-rank entry (dataloader, RNG) of rank ``r`` is the one saved by rank
 ``r % saved_world_size``. To add a piece of state, add it here (:func:`encode_document`/
