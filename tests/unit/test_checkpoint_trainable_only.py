@@ -145,6 +145,9 @@ def test_offline_export_refuses_a_trainable_only_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="is trainable-only.*no model file can be written"):
         ckpt.export_from_dcp(path, tmp_path / "model.safetensors")
     assert not (tmp_path / "model.safetensors").exists()
+    everything_trains = nn.Linear(2, 2)  # loom train's case: nothing frozen, the checkpoint is a whole model
+    path = ckpt.save(tmp_path / "all", step=1, model=everything_trains, trainable_only=True)
+    ckpt.load_safetensors(nn.Linear(2, 2), ckpt.export_from_dcp(path, tmp_path / "all.safetensors"))
 
 
 def test_loom_train_key_is_validated():

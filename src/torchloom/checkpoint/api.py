@@ -403,7 +403,8 @@ def export_from_dcp(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
     :func:`export_safetensors`. Reads with the safe DCP reader; needs memory for the whole model.
 
     Raises:
-        CheckpointError: no usable checkpoint, or a trainable-only one (it holds no base model).
+        CheckpointError: no usable checkpoint, or a trainable-only one of a model with frozen parameters
+            (it holds no base model).
     """
     src = Path(checkpoint_dir)
     if not require_marker and (src / ".metadata").exists() and not (src / commit.MARKER).exists():
@@ -415,12 +416,13 @@ def export_from_dcp(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
     if (src / TRAINER_STATE).exists():
         doc = ts.read_document(src)
         groups = doc.get("tied_params") or []
-        if doc.get("trainable_only"):  # its model part is the adapters (and buffers): not a model file
+        partial = doc.get("trainable_only")
+        if partial and (partial.get("frozen") or {}).get("count"):  # adapters and buffers, not a model
             raise CheckpointError(
-                f"checkpoint {src} is trainable-only: it holds the {len(doc['trainable_only']['params'])} "
-                f"trainable parameters and the buffers, not the frozen base, so no model file can be written "
-                f"from it. Load it onto the base model (torchloom.checkpoint.load) and export the live model "
-                f"(torchloom.hf.save_pretrained or torchloom.checkpoint.export_safetensors)")
+                f"checkpoint {src} is trainable-only: it holds the {len(partial['params'])} trainable "
+                f"parameters and the buffers, not the {partial['frozen']['count']} frozen ones of the base, so "
+                f"no model file can be written from it. Load it onto the base model (torchloom.checkpoint.load) "
+                f"and export the live model (torchloom.hf.save_pretrained or torchloom.checkpoint.export_safetensors)")
     tensors, tied = _dedupe_tied(tensors, groups, f"checkpoint {src}")
     return _write_safetensors(tensors, tied, Path(out_path))
 
