@@ -217,6 +217,18 @@ def train_stop_resume(tmp: str) -> dict:
 
     out["plain_losses"], out["plain_params"] = plain_loop()
     lap("plain_loop")
+
+    class Stream(torch.utils.data.IterableDataset):  # the whole stream on every rank: would train on duplicates
+        def __iter__(self):
+            return iter(samples(N_TRAIN, 1))
+
+    from torchloom.hf import TorchloomTrainer
+
+    try:
+        TorchloomTrainer(model=tiny_llama(), args=training_args(str(tmp / "stream")), train_dataset=Stream(),
+                         torchloom_strategy=STRATEGY)
+    except NotImplementedError as e:
+        out["iterable_refused"] = str(e)
     if dist.get_rank():
         for k in [k for k in out if k.endswith("_params")]:
             out[k] = None  # rank 0's copy is enough (the full state is the same on every rank)

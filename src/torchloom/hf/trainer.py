@@ -136,6 +136,14 @@ class TorchloomTrainer(Trainer):
             return optim_cls([g for g in groups if g["params"]], **kw)
 
         data = self._tl_dataset()
+        if data is not None and dp > 1 and isinstance(data[0], torch.utils.data.IterableDataset):
+            # torchloom reads an iterable as this rank's own shard; a Trainer user's iterable is usually the whole
+            # stream (Accelerate splits it), so every rank would train on the same samples
+            raise NotImplementedError(
+                f"TorchloomTrainer: train_dataset is an IterableDataset and dp={dp}: torchloom's loader reads an "
+                "iterable as this rank's shard, not as the whole stream the Trainer splits. Use a map-style dataset "
+                "(with __len__; resumes exactly), or train with torchloom.auto_accelerate directly on a dataset "
+                "sharded per data-parallel rank (docs/data.md).")
         dataloader_args = None
         if data is not None:
             dataset, collate = data
