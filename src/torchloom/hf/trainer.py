@@ -105,7 +105,24 @@ class TorchloomTrainer(Trainer):
         self._tl_flash = None
         self._tl_rng = None  # the RNG state a resume restored, re-applied once the loader's iterator exists
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        self._tl_check_distributed()
         self._tl_setup()
+
+    def _tl_check_distributed(self) -> None:
+        """The Trainer's bookkeeping (loss gather, main process, who writes ``trainer_state.json``) follows
+        Accelerate's view of the job; on CPU Accelerate sees several processes as one job only with
+        ``use_cpu=True``. Checked on every rank alike (the world size is the launcher's)."""
+        from transformers.training_args import ParallelMode
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if dist.is_initialized():
+            world = dist.get_world_size()
+        if world > 1 and self.args.parallel_mode != ParallelMode.DISTRIBUTED:
+            raise ValueError(
+                f"TorchloomTrainer: {world} processes were launched but the TrainingArguments run "
+                f"{self.args.parallel_mode} (Accelerate sees no distributed job), so every rank would log only its "
+                "own loss and act as the main process (each writing trainer_state.json). On CPU pass "
+                "TrainingArguments(use_cpu=True), which Accelerate needs to treat a multi-process CPU job as one.")
 
     # ------------------------------------------------------------------------------------------ setup
     def _tl_setup(self) -> None:
