@@ -111,3 +111,13 @@ def test_resume_true_picks_the_newest_checkpoint_with_a_trainer_state(tmp_path):
         if complete:
             (d / "trainer_state.json").write_text("{}")
     assert newest_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")  # 10 > 3 numerically, 12 incomplete
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only case")
+def test_multi_process_cpu_job_without_use_cpu_is_refused(tmp_path, monkeypatch):
+    from torchloom.hf import TorchloomTrainer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as the launcher sets it; Accelerate ignores it on CPU without use_cpu
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=False)
+    with pytest.raises(ValueError, match=r"2 processes were launched.*TrainingArguments\(use_cpu=True\)"):
+        TorchloomTrainer(model=torch.nn.Linear(2, 2), args=args)
