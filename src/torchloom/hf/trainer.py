@@ -398,6 +398,10 @@ class TorchloomTrainer(Trainer):
         else:
             save(Path(output_dir) / TORCHLOOM_CKPT_DIR, step=step, model=res.model, optimizer=res.optimizer,
                  lr_scheduler=res.lr_scheduler, dataloader=res.dataloader, train_step=res.train_step)
+        best = self.state.best_global_step
+        if best and os.path.exists(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")):
+            # as the Trainer: the best checkpoint (save_strategy="best", metric_for_best_model) is kept by rotation
+            self.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             for cb in [c for c in self.callback_handler.callbacks + [self.control] if _exportable(c)]:
@@ -420,9 +424,6 @@ class TorchloomTrainer(Trainer):
         step = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME)).global_step
         live = dict(model=res.model, optimizer=res.optimizer, lr_scheduler=res.lr_scheduler,
                     dataloader=res.dataloader, train_step=res.train_step)
-        if self.args.save_only_model:
-            raise ValueError(f"cannot resume from {checkpoint}: save_only_model=True checkpoints hold only the "
-                             "model (as with the Trainer).")
         disk = Path(checkpoint) / TORCHLOOM_CKPT_DIR
         if disk.is_dir():
             info = load(disk, **live)
@@ -431,8 +432,10 @@ class TorchloomTrainer(Trainer):
             flash_dir = Path(self.args.output_dir) / FLASH_DIR / f"step_{step:08d}"
             if info is None or info["step"] != step:  # memory holds another step: that step's disk copy
                 if not flash_dir.is_dir():
-                    raise ValueError(f"cannot resume from {checkpoint}: its torchloom state (step {step}) is neither "
-                                     f"in {disk} nor in the flash tier ({flash_dir} or shared memory).")
+                    raise ValueError(
+                        f"cannot resume from {checkpoint}: its torchloom training state (step {step}) is neither in "
+                        f"{disk} nor in the flash tier ({flash_dir} or shared memory). A save_only_model=True "
+                        "checkpoint holds only the model and cannot be resumed, as with the Trainer.")
                 info = load(flash_dir, **live)
         if int(info["step"]) != step:
             raise RuntimeError(f"{checkpoint}: the torchloom state is of step {info['step']}, trainer_state.json of "
