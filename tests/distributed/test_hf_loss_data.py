@@ -87,6 +87,8 @@ def test_returned_loss_is_global_and_equal_on_all_ranks(ranks):
 
 
 def test_hf_iterable_resumes_from_its_state_without_replay(ranks):
+    if ranks[0]["hf_resume"] is None:
+        pytest.skip("datasets is not installed (pip install torchloom[hf])")
     rows = W.HF_ROWS // 2
     for rank, r in enumerate(ranks):
         h = r["hf_resume"]
