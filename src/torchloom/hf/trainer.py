@@ -133,23 +133,31 @@ class TorchloomTrainer(Trainer):
         dp = self._tl_planned_dp(model)
         optim_cls, optim_kwargs = (self.optimizer_cls_and_kwargs if self.optimizer_cls_and_kwargs is not None
                                    else self.get_optimizer_cls_and_kwargs(args, model))
+        from transformers.trainer_optimizer import is_optimizer_factory
+
+        special = {"params", "model", "optimizer_dict"} & set(optim_kwargs)
+        if special or is_optimizer_factory(optim_cls):
+            raise NotImplementedError(
+                f"TorchloomTrainer: optim={args.optim!r} builds its optimizer from the model or its own parameter "
+                f"lists ({sorted(special) or 'a factory'}), which torchloom cannot do after sharding; use an optimizer "
+                "class (adamw_torch, adamw_torch_fused, sgd, adafactor, ...) or optimizer_cls_and_kwargs=(cls, kwargs).")
         decay = set(self.get_decay_parameter_names(model))
-        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         weight_decay = args.weight_decay
 
         def optim_func(params, **kw):
             # the Trainer's two groups (decay / no decay by name), over the sharded parameters
             if not weight_decay:
                 return optim_cls(params, **kw)
-            live = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-            unknown = [p for p in params if id(p) not in live and id(p) not in names]
+            from torchloom.checkpoint.state import canonical_param_names
+
+            names = canonical_param_names(model)  # wrapper components (activation checkpointing, ...) removed
+            unknown = [p for p in params if id(p) not in names]
             if unknown:
                 raise RuntimeError(f"TorchloomTrainer: {len(unknown)} parameter(s) of the accelerated model have no "
                                    "name in the model, so weight decay cannot be assigned by name; set "
                                    "weight_decay=0 or pass optimizer_cls_and_kwargs.")
-            plain = lambda p: _strip_wrappers(live.get(id(p)) or names[id(p)])  # noqa: E731
-            groups = [{"params": [p for p in params if plain(p) in decay], "weight_decay": weight_decay},
-                      {"params": [p for p in params if plain(p) not in decay], "weight_decay": 0.0}]
+            groups = [{"params": [p for p in params if names[id(p)][0] in decay], "weight_decay": weight_decay},
+                      {"params": [p for p in params if names[id(p)][0] not in decay], "weight_decay": 0.0}]
             return optim_cls([g for g in groups if g["params"]], **kw)
 
         data = self._tl_dataset()
@@ -529,13 +537,6 @@ def _position(loader) -> int:
     if st.get("kind") == "iterable":
         return int(st["batches_yielded"])
     return int(st["consumed"]) // (loader.dp_size * loader.micro_batch_size)
-
-
-def _strip_wrappers(name: str) -> str:
-    """A parameter name without torchloom's/torch's wrapper components (activation checkpointing, compile)."""
-    for part in ("_checkpoint_wrapped_module.", "_orig_mod.", "module."):
-        name = name.replace(part, "")
-    return name
 
 
 def _exportable(cb) -> bool:
