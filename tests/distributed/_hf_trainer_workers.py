@@ -185,18 +185,13 @@ def train_stop_resume(tmp: str) -> dict:
     out["log_has_eval"] = any("eval_loss" in h for h in full.state.log_history)
     lap("evaluate")
 
-    try:
-        import torchloom.hf.save  # noqa: F401 - helper A's save_pretrained
-    except ImportError:
-        out["saved"] = None
-    else:
-        full.save_model(str(tmp / "export"))
-        if dist.get_rank() == 0:
-            from transformers import LlamaForCausalLM
+    full.save_model(str(tmp / "export"))  # torchloom.hf.save_pretrained: collective
+    if dist.get_rank() == 0:
+        from transformers import LlamaForCausalLM
 
-            loaded = LlamaForCausalLM.from_pretrained(str(tmp / "export"))
-            sd = loaded.state_dict()
-            out["saved"] = all(torch.equal(sd[k], v) for k, v in out["full_params"].items() if k in sd)
+        sd = LlamaForCausalLM.from_pretrained(str(tmp / "export")).state_dict()
+        out["saved"] = sorted(sd) == sorted(out["full_params"]) and all(
+            torch.equal(sd[k], v) for k, v in out["full_params"].items())
     dist.barrier()
     lap("save_model")
 
