@@ -83,9 +83,12 @@ class TorchloomTrainer(Trainer):
         ValueError: a TrainingArguments field that would make Accelerate/the Trainer do the strategy's job
             (deepspeed, fsdp, bf16/fp16, gradient checkpointing, torch_compile, ...: the message names the
             strategy method to use instead), ``optimizers=`` (the optimizer must be built after sharding; use
-            ``optimizer_cls_and_kwargs=``), ``model_init=``, a bad ``torchloom_checkpoint``, or
-            ``torchloom_args`` that the TrainingArguments own.
-        NotImplementedError: ``torchloom_strategy="auto"``, ``compute_loss_func``, an overridden ``compute_loss``.
+            ``optimizer_cls_and_kwargs=``), ``model_init=``, a bad ``torchloom_checkpoint``,
+            ``torchloom_args`` that the TrainingArguments own, or several processes that Accelerate does not see as
+            one job (CPU without ``use_cpu=True``).
+        NotImplementedError: ``torchloom_strategy="auto"``, ``compute_loss_func``, an overridden ``compute_loss``,
+            an ``optim`` built from the model (factories, GaLore/LOMO), an ``IterableDataset`` with dp > 1, and
+            (at the call) ``predict``, ``compute_metrics`` in ``evaluate``, hyperparameter search.
         RuntimeError: the strategy's batch arithmetic differs from the TrainingArguments' (e.g. a plan file with
             another micro-batch).
     """
