@@ -62,6 +62,23 @@ def stop_at(step: int):
     return StopAt()
 
 
+class Crash(RuntimeError):
+    pass
+
+
+def crash_after_save(step: int):
+    from transformers import TrainerCallback
+
+    class CrashAfterSave(TrainerCallback):
+        """The job dies right after the checkpoint of ``step`` (no orderly end of training)."""
+
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step >= step:
+                raise Crash(f"killed after step {state.global_step}")
+
+    return CrashAfterSave()
+
+
 class Counter:
     """Counts the Trainer callbacks that fire (they must stay coherent with torchloom's stepping)."""
 
@@ -197,8 +214,12 @@ def train_stop_resume(tmp: str) -> dict:
 
     for tier in ("disk", "flash"):
         d = str(tmp / tier)
-        first = trainer(d, callbacks=[stop_at(STOP)], torchloom_checkpoint=tier)
-        first.train()
+        first = trainer(d, callbacks=[stop_at(STOP) if tier == "disk" else crash_after_save(STOP)],
+                        torchloom_checkpoint=tier)
+        try:
+            first.train()
+        except Crash:  # flash: the job dies after its step-3 save; its savers finish, shared memory stays
+            first._tl_flash.finalize(unlink=False)
         out[f"{tier}_stopped_at"] = first.state.global_step
         out[f"{tier}_ckpts"] = sorted(p.name for p in Path(d).glob("checkpoint-*"))
         out[f"{tier}_layout"] = sorted(str(p.relative_to(d)) for p in Path(d).glob("*/*") if "rank" not in p.name)
@@ -207,6 +228,7 @@ def train_stop_resume(tmp: str) -> dict:
         out[f"{tier}_losses"] = {**losses(first), **losses(second)}
         out[f"{tier}_params"] = full_params(second.torchloom.model)
         out[f"{tier}_state"] = (second.state.global_step, second.state.epoch)
+        out[f"{tier}_source"] = second.torchloom_resumed_from["source"]
         del first, second
         lap(f"stop_resume_{tier}")
 

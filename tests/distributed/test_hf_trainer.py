@@ -37,6 +37,7 @@ def test_trainer_train_stop_resume_equals_uninterrupted_and_plain_loop(tmp_path)
         assert r0[f"{tier}_losses"] == full, f"{tier}: logged losses differ from the uninterrupted run"
         assert _same(r0[f"{tier}_params"], r0["full_params"]), f"{tier}: resumed parameters differ"
     assert r0["disk_layout"] == ["checkpoint-3/torchloom", "checkpoint-3/trainer_state.json"]
+    assert (r0["disk_source"], r0["flash_source"]) == ("disk", "memory")  # flash: the crashed job's memory snapshot
     assert r0["flash_layout"] == ["checkpoint-3/trainer_state.json", "torchloom_flash/step_00000003"]
     # the plain torchloom loop with the same settings: the same losses and parameters, bitwise
     assert r0["plain_losses"] == [full[s] for s in sorted(full)]

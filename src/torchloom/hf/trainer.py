@@ -107,6 +107,7 @@ class TorchloomTrainer(Trainer):
         self.torchloom = None  # the AccelerateResult, after setup
         self._tl_flash = None
         self._tl_rng = None  # the RNG state a resume restored, re-applied once the loader's iterator exists
+        self.torchloom_resumed_from = None  # after a resume: {"step", "path", "source": "disk" | "memory"}
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._tl_check_distributed()
         self._tl_setup()
@@ -454,6 +455,7 @@ class TorchloomTrainer(Trainer):
         from torchloom.checkpoint.state import capture_rng
 
         self._tl_rng = capture_rng()
+        self.torchloom_resumed_from = {"step": step, "path": str(info["path"]), "source": info.get("source", "disk")}
 
     # ------------------------------------------------------------------------------------------ export
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
