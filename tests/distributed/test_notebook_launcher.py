@@ -44,7 +44,8 @@ def test_first_failure_with_rank_and_traceback(result):
 
 def test_timeout_stops_the_ranks(result):
     t = result[0]["timeout"]
-    assert t["message"] == "notebook_launcher: rank(s) 0, 1 still running at the timeout of 2 s; stopped" and t["seconds"] < 20
+    assert t["message"] == "notebook_launcher: rank(s) 0, 1 still running at the timeout of 2 s; stopped"
+    assert t["seconds"] < 20
 
 
 def test_refuses_what_fork_or_spawn_cannot_do(result):

@@ -149,12 +149,12 @@ def locate(explicit: str | os.PathLike | None = None) -> tuple[Path, str] | None
         ConfigFileError: an explicit path or ``$TORCHLOOM_CONFIG_FILE`` names a file that does not exist.
     """
     if explicit is not None:
-        return _must_exist(Path(explicit), "--file", "the path given"), "--file"
+        return _must_exist(Path(explicit), "the path given"), "--file"
     env = os.environ.get(ENV_VAR, "").strip()
     if env.lower() == OFF:
         return None
     if env:
-        return _must_exist(Path(env), f"${ENV_VAR}", f"{ENV_VAR}={env}"), f"${ENV_VAR}"
+        return _must_exist(Path(env), f"{ENV_VAR}={env}"), f"${ENV_VAR}"
     here = Path.cwd() / PROJECT_FILE
     if here.is_file():
         return here.absolute(), "working directory"
@@ -170,7 +170,7 @@ def lookup_order() -> list[str]:
     return [f"${ENV_VAR} ({'unset' if not env else env})", f"{Path.cwd() / PROJECT_FILE}", str(default_path())]
 
 
-def _must_exist(path: Path, source: str, given: str) -> Path:
+def _must_exist(path: Path, given: str) -> Path:
     path = path.expanduser().absolute()
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
@@ -279,8 +279,8 @@ def _parse_strategy(value: Any) -> Strategy | None:
 
 
 def _launch_item(key: Any, value: Any) -> tuple[str, Any]:
-    """One launch setting ``(key, value)``, typed as ``LaunchOptions`` declares it; ``nproc``/``nnodes`` checked as ``loom run``
-    would (so a bad file fails before any process starts)."""
+    """One launch setting ``(key, value)``, typed as ``LaunchOptions`` declares it; ``nproc``/``nnodes`` checked as
+    ``loom run`` would (so a bad file fails before any process starts)."""
     from ..config_values import coerce_value
     from ..elastic.launcher import LaunchOptions, _check_nproc
 
