@@ -10,9 +10,11 @@ from .main_process import (gather_for_metrics, is_local_main_process, is_main_pr
                            wait_for_everyone)
 from .errors import (CheckpointError, GradientSyncError, LossScaleError, ReplicaDivergenceError, StrategyError,
                      TorchloomError)
+from .elastic.notebook import NotebookLaunchError, notebook_launcher
 from .parallel.mesh import ParallelDims, ParallelMesh
 from .replace import register_module_replacement
 from .strategy import Method, Stage, Strategy, register_method
+from .strategy.config_file import ConfigFileError
 from .strategy.annotations import replicate, split
 from .tracking import Tracker
 from .train_step import SumLoss, TrainStep
@@ -25,5 +27,5 @@ __all__ = [
     "StrategyError", "CheckpointError", "LossScaleError", "GradientSyncError", "ReplicaDivergenceError",
     # Accelerate-style helpers (docs/hf.md); `torchloom.print` is left out so `import *` keeps the builtin
     "is_main_process", "is_local_main_process", "main_process_first", "wait_for_everyone", "gather_for_metrics",
-    "Tracker",
+    "Tracker", "notebook_launcher", "NotebookLaunchError", "ConfigFileError",
 ]
