@@ -183,7 +183,12 @@ def train_stop_resume(tmp: str) -> dict:
     res = full.torchloom
     out["batch"] = (res.micro_batch_size, res.grad_accum_steps, res.global_batch_size, res.mesh.dp_size,
                     full.get_total_train_batch_size(full.args))
+    forward_got_labels = []  # the default causal-LM loss holds the labels back from the model's forward
+    hook = res.model.register_forward_pre_hook(lambda m, a, kw: forward_got_labels.append("labels" in kw),
+                                               with_kwargs=True)
     full.train()
+    hook.remove()
+    out["forward_got_labels"] = sorted(set(forward_got_labels))
     out["full_losses"], out["full_params"] = losses(full), full_params(res.model)
     out["full_state"] = (full.state.global_step, full.state.epoch, full.state.max_steps)
     out["callbacks"] = {k: list(v) for k, v in count.seen.items()}
@@ -246,6 +251,20 @@ def train_stop_resume(tmp: str) -> dict:
                          torchloom_strategy=STRATEGY)
     except NotImplementedError as e:
         out["iterable_refused"] = str(e)
+
+    # torchloom_strategy=None: the `loom config` file's strategy, for the batch arithmetic and the model alike
+    cfg = tmp / "loom_config.yaml"
+    if dist.get_rank() == 0:
+        cfg.write_text("config_version: 1\nstrategy: [fsdp]\n")
+    dist.barrier()
+    os.environ["TORCHLOOM_CONFIG_FILE"] = str(cfg)
+    try:
+        from_file = TorchloomTrainer(model=tiny_llama(), args=training_args(str(tmp / "cfg")),
+                                     train_dataset=samples(N_TRAIN, 1))
+    finally:
+        del os.environ["TORCHLOOM_CONFIG_FILE"]
+    out["config_file"] = (str(cfg) in from_file.torchloom.notes[0], type(from_file.torchloom.model).__name__,
+                          from_file.get_total_train_batch_size(from_file.args))
     if dist.get_rank():
         for k in [k for k in out if k.endswith("_params")]:
             out[k] = None  # rank 0's copy is enough (the full state is the same on every rank)

@@ -47,6 +47,8 @@ def test_trainer_train_stop_resume_equals_uninterrupted_and_plain_loop(tmp_path)
         assert r["eval"] == pytest.approx(r["eval_ref"], rel=1e-12, abs=0)
         assert r["log_has_eval"]
     assert "IterableDataset and dp=2" in r0.get("iterable_refused", "")
+    assert r0["forward_got_labels"] == [False]  # one cross-entropy per micro-batch: the loss's own
+    assert r0["config_file"] == (True, "FSDPLlamaForCausalLM", 8)  # torchloom_strategy=None: the file's [fsdp]
     assert r0["saved"] is True  # save_model -> torchloom.hf.save_pretrained -> from_pretrained: the same weights
 
 
@@ -61,6 +63,7 @@ def _args(tmp_path, **kw):
     ("torch_compile", True, "add 'compile'"),
     ("deepspeed", "ds_config.json", "DeepSpeed would wrap the model again"),
     ("load_best_model_at_end", True, "not supported"),
+    ("ignore_data_skip", True, "exact next micro-batch"),
 ])
 def test_training_arguments_that_would_wrap_again_are_refused(tmp_path, field, value, hint):
     from torchloom.hf import TorchloomTrainer
@@ -101,16 +104,51 @@ def test_trainer_arguments_torchloom_cannot_honour_are_refused(tmp_path):
         OwnLoss(model=model, args=args)
 
 
-def test_resume_true_picks_the_newest_checkpoint_with_a_trainer_state(tmp_path):
+def _checkpoint(root, n, trainer_state=True, tier=None):
+    """``checkpoint-N`` (with a trainer_state.json) and its torchloom state committed in ``tier``: "disk"
+    (checkpoint-N/torchloom/step_N), "flash" (torchloom_flash/step_N) or None (never committed)."""
+    from torchloom.checkpoint import commit
+
+    d = root / f"checkpoint-{n}"
+    d.mkdir()
+    if trainer_state:
+        (d / "trainer_state.json").write_text("{}")
+    if tier is not None:
+        state = (d / "torchloom" if tier == "disk" else root / "torchloom_flash") / commit.step_dirname(n)
+        state.mkdir(parents=True)
+        (state / "rank0.bin").write_bytes(b"x")
+        commit.write_marker(state, step=n, world_size=1)  # the commit point: COMPLETE, written last
+
+
+def test_resume_true_picks_the_newest_committed_checkpoint(tmp_path):
     from torchloom.hf.trainer import newest_checkpoint
 
     assert newest_checkpoint(tmp_path) is None
-    for n, complete in ((3, True), (10, True), (12, False)):  # checkpoint-12: interrupted before its state
-        d = tmp_path / f"checkpoint-{n}"
-        d.mkdir()
-        if complete:
-            (d / "trainer_state.json").write_text("{}")
-    assert newest_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")  # 10 > 3 numerically, 12 incomplete
+    _checkpoint(tmp_path, 3, tier="disk")
+    _checkpoint(tmp_path, 10, tier="flash")
+    _checkpoint(tmp_path, 12, trainer_state=False, tier="disk")  # interrupted before its trainer_state.json
+    _checkpoint(tmp_path, 15)  # flash: trainer_state.json written, the background save never committed (node lost)
+    assert newest_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")  # 10 > 3 numerically
+    assert newest_checkpoint(tmp_path, in_memory=[15]) == str(tmp_path / "checkpoint-15")  # same node: memory
+
+
+def test_rotation_keeps_committed_checkpoints_until_a_newer_one_commits(tmp_path):
+    from torchloom.hf.trainer_args import stale_checkpoints
+
+    _checkpoint(tmp_path, 3, tier="flash")
+    _checkpoint(tmp_path, 6)  # its flash save is still in the background
+    assert stale_checkpoints(tmp_path, 1) == []  # checkpoint-3 is the only resumable one
+    from torchloom.checkpoint import commit
+
+    state = tmp_path / "torchloom_flash" / commit.step_dirname(6)
+    state.mkdir()
+    commit.write_marker(state, step=6, world_size=1)  # step 6 commits
+    assert stale_checkpoints(tmp_path, 1) == [tmp_path / "checkpoint-3", tmp_path / "torchloom_flash" / "step_00000003"]
+    # the best checkpoint (save_strategy="best") keeps its flash state; at most save_total_limit in all
+    _checkpoint(tmp_path, 9, tier="flash")
+    assert stale_checkpoints(tmp_path, 2, best=tmp_path / "checkpoint-3") == [
+        tmp_path / "checkpoint-6", tmp_path / "torchloom_flash" / "step_00000006"]
+    assert stale_checkpoints(tmp_path, None) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only case")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,13 +20,10 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, speed_metrics
 
-from torchloom.hf.trainer_args import (TRAINER_STATE_NAME, check_trainer_arguments, newest_checkpoint,
-                                       sampling_shuffle)
+from torchloom.hf.trainer_args import (FLASH_DIR, TORCHLOOM_CKPT_DIR, TRAINER_STATE_NAME, check_trainer_arguments,
+                                       newest_checkpoint, sampling_shuffle, stale_checkpoints)
 
 __all__ = ["TorchloomTrainer", "TORCHLOOM_CKPT_DIR", "newest_checkpoint"]
-
-TORCHLOOM_CKPT_DIR = "torchloom"  # checkpoint-N/torchloom/step_0000000N: the torchloom training state
-FLASH_DIR = "torchloom_flash"  # <output_dir>/torchloom_flash/step_0000000N: the flash tier's disk copies
 
 
 class TorchloomTrainer(Trainer):
@@ -35,19 +33,26 @@ class TorchloomTrainer(Trainer):
 
     Args:
         torchloom_strategy: what :func:`torchloom.auto_accelerate` takes as ``strategy``: a list of methods
-            (``["fsdp", "amp", "checkpoint"]``), a :class:`~torchloom.Strategy`, a JSON/YAML file path, or None
-            (DDP when there is more than one data-parallel rank). ``"auto"`` is refused (NotImplementedError):
-            the search picks its own micro-batch; search once and pass the plan file or the strategy it chose.
+            (``["fsdp", "amp", "checkpoint"]``), a :class:`~torchloom.Strategy`, a JSON/YAML file path, or None:
+            the strategy of the ``loom config`` file (``$TORCHLOOM_CONFIG_FILE``, ``./torchloom.yaml``, the user
+            default; docs/config.md) when there is one, else DDP when there is more than one data-parallel rank.
+            Resolved once: the same strategy plans the global batch and builds the model (``[]``: plain data
+            parallel, no file read). ``"auto"`` is refused (NotImplementedError): the search picks its own
+            micro-batch; search once and pass the plan file or the strategy it chose.
         torchloom_loss_func: ``loss_func(batch, output)`` as for ``auto_accelerate`` (a scalar tensor or a
             :class:`~torchloom.SumLoss`). None: for a causal LM (the Trainer's ``ForCausalLMLoss`` models) the
             token-exact ``SumLoss.from_hf(output, batch["labels"])``, i.e. the mean over every valid token of the
-            global batch, as the Trainer's ``num_items_in_batch`` normalisation; for other models the output's
-            ``loss`` (a mean per micro-batch). ``lambda batch, output: output.loss`` forces the latter.
+            global batch, as the Trainer's ``num_items_in_batch`` normalisation; the labels are then held back
+            from the model's forward (it would compute its own fp32 loss too; except under pipeline parallelism).
+            For other models the output's ``loss`` (a mean per micro-batch). ``lambda batch, output:
+            output.loss`` forces the latter.
         torchloom_checkpoint: ``"disk"`` (default): :func:`torchloom.checkpoint.save` into
             ``checkpoint-N/torchloom/`` (blocking). ``"flash"``: :class:`~torchloom.checkpoint.FlashCheckpointer`
             (the training loop blocks only for a copy into shared memory; the state is persisted in the background
             to ``<output_dir>/torchloom_flash/step_N``; ``checkpoint-N`` then holds only ``trainer_state.json``; the
-            last save is committed before ``train()`` returns).
+            last save is committed before ``train()`` returns). A checkpoint counts (for ``resume_from_checkpoint=
+            True`` and for ``save_total_limit`` rotation) once its state is committed on disk or, on the same node,
+            held in shared memory by every rank: an older one is deleted only after a newer one has committed.
         torchloom_args: more keyword arguments for ``auto_accelerate`` (``prepare_input``, ``check_replicas_every``,
             ``model_input_format`` ...). The ones the TrainingArguments decide (optimizer, batch sizes, seed,
             ``max_grad_norm``, dataset) are refused here.
@@ -71,8 +76,11 @@ class TorchloomTrainer(Trainer):
     * Checkpoints (``save_strategy``/``save_steps``/``save_total_limit``): ``checkpoint-N/`` holds the torchloom
       state (model, optimizer, scheduler, data position, RNG, train_step counters) and the Trainer's
       ``trainer_state.json``; ``train(resume_from_checkpoint=True | path)`` continues at exactly the next
-      micro-batch. ``True`` picks the newest ``checkpoint-N`` that has a ``trainer_state.json`` (written last).
-      ``save_only_model=True`` writes ``save_model`` output instead (no resume, as in the Trainer).
+      micro-batch. ``True`` picks the newest ``checkpoint-N`` that has a ``trainer_state.json`` and a committed
+      torchloom state (:func:`~torchloom.hf.trainer_args.newest_checkpoint`). ``save_total_limit`` keeps the
+      newest and the best (``save_strategy="best"``) committed checkpoints, the flash tier's step directories
+      with their ``checkpoint-N``. ``save_only_model=True`` writes ``save_model`` output instead (no resume, as
+      in the Trainer).
     * ``save_model(dir)``: :func:`torchloom.hf.save_pretrained` (full weights gathered from any strategy,
       ``from_pretrained``-loadable) plus ``training_args.bin``. Collective: call it on every rank.
     * ``evaluate()``: the eval loss over every sample of ``eval_dataset`` exactly once
@@ -91,6 +99,8 @@ class TorchloomTrainer(Trainer):
             (at the call) ``predict``, ``compute_metrics`` in ``evaluate``, hyperparameter search.
         RuntimeError: the strategy's batch arithmetic differs from the TrainingArguments' (e.g. a plan file with
             another micro-batch).
+        ConfigFileError: ``torchloom_strategy=None`` and the ``loom config`` file is invalid or differs between
+            ranks.
     """
 
     def __init__(self, model=None, args=None, *trainer_args, torchloom_strategy: Any = None,
@@ -107,6 +117,7 @@ class TorchloomTrainer(Trainer):
         self.torchloom = None  # the AccelerateResult, after setup
         self._tl_flash = None
         self._tl_rng = None  # the RNG state a resume restored, re-applied once the loader's iterator exists
+        self._tl_hold_labels = False  # the default causal-LM loss: labels stay out of the model's forward
         self.torchloom_resumed_from = None  # after a resume: {"step", "path", "source": "disk" | "memory"}
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._tl_check_distributed()
@@ -133,8 +144,17 @@ class TorchloomTrainer(Trainer):
         """``auto_accelerate`` with what the TrainingArguments ask for. Collective."""
         from torchloom.api import auto_accelerate
 
+        from torchloom.strategy.config_file import default_strategy
+
         args, model = self.args, self.model
-        dp = self._tl_planned_dp(model)
+        # None: the `loom config` file's strategy (as auto_accelerate(strategy=None) would read it), resolved once
+        # so that the batch arithmetic below and auto_accelerate use the same one
+        strategy, config_note = default_strategy(self.torchloom_strategy, model)
+        strategy_source = "" if config_note is None or strategy is None else f" ({config_note.split(': ')[0]})"
+        if strategy is None:
+            strategy = []  # plain data parallel; [] does not read the config file again
+        dims = self._tl_planned_dims(model, strategy)
+        dp = dims.dp_replicate * dims.dp_shard
         optim_cls, optim_kwargs = (self.optimizer_cls_and_kwargs if self.optimizer_cls_and_kwargs is not None
                                    else self.get_optimizer_cls_and_kwargs(args, model))
         from transformers.trainer_optimizer import is_optimizer_factory
@@ -189,9 +209,16 @@ class TorchloomTrainer(Trainer):
                 if args.dataloader_prefetch_factor is not None:
                     dataloader_args["prefetch_factor"] = args.dataloader_prefetch_factor
         extra = {"model_input_format": "unpack_dict", **self.torchloom_args}
+        loss_func = self._tl_loss_func()
+        # the default causal-LM loss reads the labels itself: the model's forward would compute a second fp32
+        # cross-entropy. The pipeline splits batches by their keys, so there the labels stay in the batch.
+        self._tl_hold_labels = (loss_func is not None and self.torchloom_loss_func is None
+                                and extra.get("model_input_format") == "unpack_dict" and dims.pp <= 1)
+        if self._tl_hold_labels:
+            extra["prepare_input"] = _holding_labels(extra.get("prepare_input"))
         try:
             res = auto_accelerate(
-                model, optim_func, None if data is None else data[0], self._tl_loss_func(), self.torchloom_strategy,
+                model, optim_func, None if data is None else data[0], loss_func, strategy,
                 optim_args=optim_kwargs, dataloader_args=dataloader_args, seed=args.seed,
                 max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None, **extra)
         except NotImplementedError as e:
@@ -203,10 +230,12 @@ class TorchloomTrainer(Trainer):
                 res.grad_accum_steps != args.gradient_accumulation_steps
                 or res.micro_batch_size != args.per_device_train_batch_size)):
             raise RuntimeError(
-                f"TorchloomTrainer: the strategy gave dp={res.mesh.dp_size}, micro-batch {res.micro_batch_size}, "
+                f"TorchloomTrainer: the strategy{strategy_source} gave dp={res.mesh.dp_size}, micro-batch {res.micro_batch_size}, "
                 f"accumulation {res.grad_accum_steps}, but the TrainingArguments ask for dp={dp} x "
                 f"per_device_train_batch_size={args.per_device_train_batch_size} x gradient_accumulation_steps="
                 f"{args.gradient_accumulation_steps}; use a strategy that keeps them (a plan file fixes its own).")
+        if config_note:
+            res.notes.insert(0, config_note)
         self.torchloom = res
         self.model_wrapped = res.model  # self.model stays the user's module (changed in place: sharded, cast)
         self.optimizer = res.optimizer
@@ -223,25 +252,26 @@ class TorchloomTrainer(Trainer):
         from torchloom.train_step import SumLoss
 
         def causal_lm_loss(batch, output):
-            labels = batch.get("labels") if hasattr(batch, "get") else None
+            labels = getattr(batch, "held_labels", None)  # _HeldLabels: kept out of the forward
+            if labels is None:
+                labels = batch.get("labels") if hasattr(batch, "get") else None
             return output.loss if labels is None else SumLoss.from_hf(output, labels)
 
         return causal_lm_loss
 
-    def _tl_planned_dp(self, model) -> int:
-        """The data-parallel size the strategy will have (the global batch needs it before the mesh exists)."""
+    def _tl_planned_dims(self, model, strategy):
+        """The mesh degrees the (resolved) strategy will have: the global batch needs the data-parallel size
+        before the mesh exists."""
         from torchloom.api import plan_dims
         from torchloom.strategy.annotations import has_annotations, strategy_from_annotations
         from torchloom.strategy.strategy import Strategy
         from torchloom.utils import world_size
 
-        strategy = self.torchloom_strategy
         if has_annotations(model):
             strategy = strategy_from_annotations(model, world_size(), strategy)
         else:
             strategy = Strategy.parse(strategy)
-        dims = plan_dims(strategy, world_size())
-        return dims.dp_replicate * dims.dp_shard
+        return plan_dims(strategy, world_size())
 
     def _tl_dataset(self):
         """``(dataset, collate_fn)`` as ``Trainer._get_dataloader`` builds them (unused columns removed)."""
@@ -267,31 +297,47 @@ class TorchloomTrainer(Trainer):
         return self.torchloom.dataloader
 
     def get_total_train_batch_size(self, args) -> int:
+        """Samples per optimizer step over all data-parallel ranks: ``per_device_train_batch_size x
+        gradient_accumulation_steps x dp`` (torchloom's global batch; tensor/pipeline peers not counted)."""
         return self.torchloom.global_batch_size
 
     def num_examples(self, dataloader) -> int:
+        """The number of samples of the loader's dataset (the whole dataset, not this rank's share)."""
         return len(dataloader.dataset)
 
     def _move_model_to_device(self, model, device) -> None:
         """Nothing here: ``auto_accelerate`` places the model (FSDP shard by shard, never the whole model first)."""
 
     def create_optimizer(self, model=None):
-        return self.optimizer  # built by auto_accelerate after sharding
+        """The optimizer ``auto_accelerate`` built over the sharded parameters (never a new one: the Trainer
+        would build it over the unsharded model)."""
+        return self.optimizer
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         """Nothing here: torchloom's checkpoint is loaded with the optimizer and scheduler in
         ``_prepare_for_training`` (the Trainer would look for HF weights in the directory)."""
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest ``checkpoint-N`` whose
-        ``trainer_state.json`` exists (it is written after the torchloom state is committed)."""
+        """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest ``checkpoint-N`` with a
+        ``trainer_state.json`` whose torchloom state is committed on disk, or (flash tier) held in shared
+        memory by every rank (:func:`~torchloom.hf.trainer_args.newest_checkpoint`; rank 0 decides). Collective.
+
+        Raises:
+            ValueError: ``resume_from_checkpoint=True`` and no such checkpoint.
+            NotImplementedError: ``trial=`` (hyperparameter search).
+        """
         if trial is not None:
             raise NotImplementedError("TorchloomTrainer: hyperparameter search (trial=) is not supported.")
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = newest_checkpoint(self.args.output_dir)
+            from torchloom.checkpoint import commit
+
+            memory = self._tl_memory_steps() if self.torchloom_checkpoint == "flash" else ()
+            out = self.args.output_dir
+            resume_from_checkpoint = commit.broadcast_from_rank0(lambda: newest_checkpoint(out, memory))
             if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir}): no "
-                                 f"{PREFIX_CHECKPOINT_DIR}-N with a {TRAINER_STATE_NAME}.")
+                raise ValueError(f"No valid checkpoint found in output directory ({out}): no "
+                                 f"{PREFIX_CHECKPOINT_DIR}-N with a {TRAINER_STATE_NAME} and a committed torchloom "
+                                 "state.")
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=None,
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
@@ -388,14 +434,36 @@ class TorchloomTrainer(Trainer):
 
             res = self.torchloom
             limit = self.args.save_total_limit
+            # no keep_last: save_total_limit rotation (stale_checkpoints) deletes step_N with checkpoint-N, so the
+            # best checkpoint the Trainer keeps keeps its state too
             self._tl_flash = FlashCheckpointer(
                 Path(self.args.output_dir) / FLASH_DIR, model=res.model, optimizer=res.optimizer,
-                lr_scheduler=res.lr_scheduler, dataloader=res.dataloader, train_step=res.train_step,
-                keep_last=limit if limit and limit > 0 else None)
+                lr_scheduler=res.lr_scheduler, dataloader=res.dataloader, train_step=res.train_step)
         return self._tl_flash
 
+    def _tl_memory_steps(self) -> list[int]:
+        """Steps whose flash snapshot every rank holds in shared memory (after a crashed run's savers, which
+        may still be committing, have finished). Collective."""
+        ck = self._tl_checkpointer()
+        mine = sorted(int(h["step"]) for h in (s.header() for s in ck.slots)
+                      if h is not None and h.get("world_size") == ck.world and h.get("rank") == ck.rank)
+        if ck.world == 1:
+            return mine
+        everyone: list = [None] * ck.world
+        dist.all_gather_object(everyone, mine)
+        return sorted(set(everyone[0]).intersection(*map(set, everyone[1:])))
+
+    def _tl_rotate(self, run_dir: str) -> None:
+        """``save_total_limit`` rotation counting only committed checkpoints (rank 0; see
+        :func:`~torchloom.hf.trainer_args.stale_checkpoints`)."""
+        from torchloom.checkpoint.commit import _remove_tree
+
+        for p in stale_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint):
+            _remove_tree(Path(p))
+
     def _save_checkpoint(self, model, trial) -> None:
-        """``checkpoint-N/``: the torchloom state, then (rank 0) ``trainer_state.json``, then rotation."""
+        """``checkpoint-N/``: the torchloom state, then (rank 0) ``trainer_state.json``, then rotation (of the
+        committed checkpoints only: a flash save still in the background keeps the previous one)."""
         from torchloom.checkpoint import save
 
         step = self.state.global_step
@@ -423,8 +491,11 @@ class TorchloomTrainer(Trainer):
                 else:
                     self.state.stateful_callbacks[name] = cb_state
             self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+            if self.args.save_only_model:  # model exports only, written synchronously: as the Trainer
+                rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+            else:
+                self._tl_rotate(run_dir)
         if dist.is_initialized():
             dist.barrier()  # every rank sees the finished checkpoint (and the rotation) before going on
 
@@ -436,19 +507,25 @@ class TorchloomTrainer(Trainer):
         step = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME)).global_step
         live = dict(model=res.model, optimizer=res.optimizer, lr_scheduler=res.lr_scheduler,
                     dataloader=res.dataloader, train_step=res.train_step)
+        from torchloom.checkpoint import commit
+
         disk = Path(checkpoint) / TORCHLOOM_CKPT_DIR
+        flash_dir = Path(self.args.output_dir) / FLASH_DIR / commit.step_dirname(step)
+        info = None
         if disk.is_dir():
             info = load(disk, **live)
-        else:
+        elif self.torchloom_checkpoint == "flash":  # the newest in-memory snapshot, if it is of this step
             info = self._tl_checkpointer().load()
-            flash_dir = Path(self.args.output_dir) / FLASH_DIR / f"step_{step:08d}"
-            if info is None or info["step"] != step:  # memory holds another step: that step's disk copy
-                if not flash_dir.is_dir():
-                    raise ValueError(
-                        f"cannot resume from {checkpoint}: its torchloom training state (step {step}) is neither in "
-                        f"{disk} nor in the flash tier ({flash_dir} or shared memory). A save_only_model=True "
-                        "checkpoint holds only the model and cannot be resumed, as with the Trainer.")
-                info = load(flash_dir, **live)
+        if info is None or info["step"] != step:  # the flash tier's disk copy of this step (committed)
+            if not commit.broadcast_from_rank0(lambda: commit.is_complete(flash_dir)):
+                memory = " or shared memory" if self.torchloom_checkpoint == "flash" else ""
+                raise ValueError(
+                    f"cannot resume from {checkpoint}: its torchloom training state (step {step}) is neither in "
+                    f"{disk} nor committed in the flash tier ({flash_dir}{memory}). A flash save that had not "
+                    "committed when the job or node died leaves only trainer_state.json: resume_from_checkpoint=True "
+                    "picks the newest committed checkpoint. A save_only_model=True checkpoint holds only the model "
+                    "and cannot be resumed, as with the Trainer.")
+            info = load(flash_dir, **live)
         if int(info["step"]) != step:
             raise RuntimeError(f"{checkpoint}: the torchloom state is of step {info['step']}, trainer_state.json of "
                                f"step {step}.")
@@ -524,6 +601,11 @@ class TorchloomTrainer(Trainer):
         return metrics
 
     def predict(self, *args, **kwargs):
+        """Not supported.
+
+        Raises:
+            NotImplementedError: always (use :func:`torchloom.data.eval_loader` with ``trainer.torchloom.model``).
+        """
         raise NotImplementedError("TorchloomTrainer.predict is not supported; use torchloom.data.eval_loader with "
                                   "trainer.torchloom.model and gather_for_metrics.")
 
@@ -532,6 +614,10 @@ class TorchloomTrainer(Trainer):
         if self._tl_flash is not None:  # flash tier: the last background save is committed before train() returns
             self._tl_flash.finalize()
             self._tl_flash = None
+            if self.args.should_save and not self.args.save_only_model:
+                self._tl_rotate(self._get_output_dir(trial))  # the older ones the last save's commit replaces
+            if dist.is_initialized():
+                dist.barrier()
         return out
 
 
@@ -542,6 +628,39 @@ def _position(loader) -> int:
     if st.get("kind") == "iterable":
         return int(st["batches_yielded"])
     return int(st["consumed"]) // (loader.dp_size * loader.micro_batch_size)
+
+
+class _HeldLabels(Mapping):
+    """A batch whose ``labels`` are held back from ``model(**batch)`` (the mapping holds the model's inputs;
+    ``held_labels`` the labels, read by the default causal-LM loss)."""
+
+    def __init__(self, inputs: dict, labels: Any):
+        self._inputs, self.held_labels = inputs, labels
+
+    def __getitem__(self, key):
+        return self._inputs[key]
+
+    def __iter__(self):
+        return iter(self._inputs)
+
+    def __len__(self) -> int:
+        return len(self._inputs)
+
+
+def _holding_labels(prepare_input: Callable | None) -> Callable:
+    """``prepare_input`` (default: move to the device), then the labels held out of the model's inputs."""
+    from torchloom.train_step import move_to_device
+
+    prepare = prepare_input or move_to_device
+
+    def prepare_holding_labels(batch, device):
+        batch = prepare(batch, device)
+        if not isinstance(batch, Mapping) or "labels" not in batch:
+            return batch
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return _HeldLabels(inputs, batch["labels"])
+
+    return prepare_holding_labels
 
 
 def _exportable(cb) -> bool:

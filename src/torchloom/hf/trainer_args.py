@@ -5,17 +5,22 @@ never starts anything distributed.
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-__all__ = ["CHECKPOINT_TIERS", "TRAINER_STATE_NAME", "check_trainer_arguments", "newest_checkpoint",
-           "sampling_shuffle"]
+__all__ = ["CHECKPOINT_TIERS", "FLASH_DIR", "TORCHLOOM_CKPT_DIR", "TRAINER_STATE_NAME", "check_trainer_arguments",
+           "newest_checkpoint", "sampling_shuffle", "stale_checkpoints", "state_committed"]
+
+log = logging.getLogger("torchloom.hf.trainer")
 
 TRAINER_STATE_NAME = "trainer_state.json"
 CHECKPOINT_TIERS = ("disk", "flash")
+TORCHLOOM_CKPT_DIR = "torchloom"  # checkpoint-N/torchloom/step_0000000N: the torchloom training state
+FLASH_DIR = "torchloom_flash"  # <output_dir>/torchloom_flash/step_0000000N: the flash tier's disk copies
 
 # TrainingArguments that would make Accelerate or the Trainer do what the strategy does: value -> advice
 _REFUSED_ARGS = {
@@ -35,6 +40,8 @@ _REFUSED_ARGS = {
     "load_best_model_at_end": "not supported: checkpoint-N holds a torchloom training state, not HF weights.",
     "push_to_hub": "not supported with torchloom yet; push the save_model() directory yourself.",
     "enable_jit_checkpoint": "not supported with torchloom yet.",
+    "ignore_data_skip": "torchloom's loader resumes at the exact next micro-batch without replaying any batch (there "
+                        "is no skipping cost to avoid); remove it.",
 }
 _SAMPLING = {"random": True, "sequential": False}
 
@@ -90,17 +97,81 @@ def check_trainer_arguments(args, kwargs: dict, strategy: Any, checkpoint: str, 
                          "Trainer's own arguments; set them there.")
 
 
-def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """The newest ``checkpoint-N`` under ``output_dir`` that has a ``trainer_state.json`` (None if none)."""
+def _checkpoint_dirs(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(N, path)`` of every ``checkpoint-N`` directory under ``output_dir``, oldest first."""
     root = Path(output_dir)
     if not root.is_dir():
-        return None
+        return []
     found = []
     for p in root.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
         tail = p.name[len(PREFIX_CHECKPOINT_DIR) + 1:]
-        if tail.isdigit() and (p / TRAINER_STATE_NAME).is_file():
+        if tail.isdigit() and p.is_dir():
             found.append((int(tail), p))
-    return str(max(found)[1]) if found else None
+    return sorted(found)
+
+
+def state_committed(output_dir: str | os.PathLike, step: int) -> bool:
+    """Whether the torchloom training state of ``checkpoint-{step}`` is committed on disk: a complete
+    ``checkpoint-N/torchloom/step_N`` (disk tier) or ``<output_dir>/torchloom_flash/step_N`` (flash tier; its
+    background save writes the ``COMPLETE`` marker last, see :mod:`torchloom.checkpoint.commit`)."""
+    from torchloom.checkpoint import commit
+
+    name = commit.step_dirname(step)
+    root = Path(output_dir)
+    return (commit.is_complete(root / f"{PREFIX_CHECKPOINT_DIR}-{step}" / TORCHLOOM_CKPT_DIR / name)
+            or commit.is_complete(root / FLASH_DIR / name))
+
+
+def newest_checkpoint(output_dir: str | os.PathLike, in_memory: Iterable[int] = ()) -> str | None:
+    """The newest resumable ``checkpoint-N`` under ``output_dir``, or None: it has a ``trainer_state.json``
+    and its torchloom state is committed (:func:`state_committed`) or, for the flash tier, held in shared
+    memory by every rank (``in_memory``: those steps). A newer ``checkpoint-N`` whose flash save had not
+    committed when its job (or node) died is skipped, with a warning, for the previous one."""
+    memory = set(in_memory)
+    skipped = []
+    for step, p in reversed(_checkpoint_dirs(output_dir)):
+        if not (p / TRAINER_STATE_NAME).is_file():
+            continue
+        if step in memory or state_committed(output_dir, step):
+            if skipped:
+                log.warning("resume: skipped %s (trainer_state.json written, torchloom state never committed: "
+                            "the flash save did not finish); resuming from %s", ", ".join(skipped), p.name)
+            return str(p)
+        skipped.append(p.name)
+    return None
+
+
+def stale_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None,
+                      best: str | os.PathLike | None = None) -> list[Path]:
+    """What ``save_total_limit`` rotation deletes: ``checkpoint-N`` directories and the flash tier's
+    ``torchloom_flash/step_N``. As ``transformers.trainer_utils.rotate_checkpoints`` (the newest and the best
+    checkpoint are kept; at most ``save_total_limit`` in all), except that only checkpoints whose torchloom
+    state is committed (:func:`state_committed`) count: one still being persisted in the background, and
+    every older committed one it would replace, stays until it commits (the next save or the end of training
+    rotates again). Older uncommitted ``checkpoint-N`` (torn) and flash steps with no ``checkpoint-N`` are
+    deleted too. Nothing with ``save_total_limit`` None or <= 0."""
+    from torchloom.checkpoint import commit
+
+    if not save_total_limit or save_total_limit <= 0:
+        return []
+    ckpts = _checkpoint_dirs(output_dir)
+    done = [(s, p) for s, p in ckpts if (p / TRAINER_STATE_NAME).is_file() and state_committed(output_dir, s)]
+    if not done:
+        return []
+    newest = done[-1][0]
+    best_path = Path(best).resolve() if best else None
+    keep = {p for s, p in ckpts if s > newest} | {done[-1][1]}  # in flight (newer than the newest committed)
+    kept_done = {done[-1][1]} | {p for _s, p in done if p.resolve() == best_path}
+    for _s, p in reversed(done):
+        if len(kept_done) >= save_total_limit:
+            break
+        kept_done.add(p)
+    keep |= kept_done
+    doomed = [p for _s, p in ckpts if p not in keep]
+    kept_steps = {s for s, p in ckpts if p in keep}
+    flash = Path(output_dir) / FLASH_DIR
+    doomed += [p for s, p in commit.list_checkpoints(flash) if s not in kept_steps]
+    return doomed
 
 
 def sampling_shuffle(strategy: str) -> bool:
