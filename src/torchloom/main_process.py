@@ -84,8 +84,10 @@ def gather_for_metrics(values: Any, loader: Any = None, pad_value: float | int |
 
     * a torchloom :class:`~torchloom.data.eval.EvalLoader` (``torchloom.data.eval_loader``): its
       :meth:`~torchloom.data.eval.EvalLoader.gather_for_metrics` (filler rows dropped; dataset order).
-    * None: the ``EvalLoader`` this process is iterating now (the last one that yielded a batch, still inside its
-      loop); none in a single process: ``values`` unchanged. Distributed without one: a ``DataError``.
+    * None: the one ``EvalLoader`` this process is iterating now (inside its loop; a loop left by ``break`` is over).
+      None in a single process: ``values`` unchanged. Distributed without one, or with several being iterated
+      (nested loops): a ``DataError``; pass ``loader=``. Values of *another* loader iterated inside an
+      ``eval_loader`` loop need ``loader=`` too (they would be cut by the EvalLoader's counts).
     * a ``DataLoader`` over a ``torch.utils.data.DistributedSampler``: that sampler pads the epoch to
       ``total_size`` by repeating its first samples; the repeats are dropped using ``len(dataset)``. Pass either
       one batch per call, **one call per batch, in order, for every batch of the epoch** (gather several
@@ -98,7 +100,8 @@ def gather_for_metrics(values: Any, loader: Any = None, pad_value: float | int |
 
     Raises:
         DataError: see above, and rows that do not fit the loader's next batch or epoch, ranks that disagree,
-            a sampler whose replicas are not the world or the current torchloom mesh's data-parallel group.
+            a sampler whose replicas are not the world or the current torchloom mesh's data-parallel group, or
+            whose ``rank`` is not the process's rank in that group. Raised on every rank (exchanged first).
     """
     from torchloom.data.eval import EvalLoader, last_eval_loader
     from torchloom.data.sampler import DataError

@@ -72,6 +72,7 @@ def main_process_checks(tmp: str) -> dict:
 
     r["gather_7_b2"] = _gathers(7, 2)
     r["gather_7_b3"] = _gathers(7, 3)
+    r["gather_errors"] = _gather_errors()
 
     # res.log: only rank 0 writes, into one directory both ranks name
     os.chdir(tmp)
@@ -91,7 +92,54 @@ def main_process_checks(tmp: str) -> dict:
     r["has_tracker"] = res.get_tracker("jsonl") is not None
     res.end_training()
     r["custom"] = (mine.config, mine.calls, mine.finished)
+    r["tracker_errors"] = _tracker_errors(res, tmp)
     return r
+
+
+def _error(fn) -> str:
+    """The exception ``fn()`` raised, as ``"Type: message"`` (the test checks every rank raised, none hung)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _gather_errors() -> dict[str, str]:
+    """Implicit-loader and sampler mistakes raise on both ranks instead of gathering wrong rows."""
+    ds = TensorDataset(torch.arange(7))
+    dl = DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, shuffle=False))
+    ev, ev2 = eval_loader(list(range(16)), 4), eval_loader(list(range(16)), 4)
+    out = {}
+    for _ in ev:
+        break  # the loop is over: gather_for_metrics(b) must not use ev's counts for dl's batches
+    out["after_break"] = _error(lambda: [mp.gather_for_metrics(x) for (x,) in dl])
+    for a in ev:
+        for b in ev2:  # two loops running: which loader the values belong to is ambiguous
+            out["nested"] = _error(lambda: mp.gather_for_metrics(b))
+            break
+        break
+    # both ranks built their sampler with rank=0: the interleave would be wrong; both raise (none waits)
+    same = DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, num_replicas=2, rank=0, shuffle=False))
+    out["sampler_rank"] = _error(lambda: [mp.gather_for_metrics(x, same) for (x,) in same])
+    return out
+
+
+def _tracker_errors(res, tmp: Path) -> dict[str, str]:
+    """A tracker that fails on one rank stops every rank (rank 0 builds; one all-gather shares the outcome)."""
+    out = {"bad_kwargs": _error(lambda: res.init_trackers("bad", log_with="jsonl", logging_dir=tmp / "logs",
+                                                          init_kwargs={"jsonl": {"bogus": 1}}))}
+    from torchloom.tracking import group
+
+    saved = dict(group.PACKAGES)
+    if dist.get_rank() == 1:  # a package missing on rank 1 only (rank 0 has built its jsonl tracker by then)
+        group.PACKAGES["jsonl"] = ("no_such_tracker_pkg", "no-such-tracker-pkg")
+    try:
+        out["missing_on_1"] = _error(lambda: res.init_trackers("miss", log_with="jsonl", logging_dir=tmp / "logs"))
+    finally:
+        group.PACKAGES.clear()
+        group.PACKAGES.update(saved)
+    return out
 
 
 class Recorder(torchloom.tracking.Tracker):

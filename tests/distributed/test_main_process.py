@@ -35,3 +35,16 @@ def test_main_process_helpers_and_log_on_two_ranks(tmp_path):
     assert all(isinstance(x["loss"], float) for x in recs)
     assert r0["custom"] == ({"lr": 0.1}, [({"loss": x["loss"], "rank": 0}, x["step"]) for x in recs], True)
     assert r1["custom"] == (None, [], False)
+
+    # gather mistakes: a DataError on both ranks (none hangs, none gets wrong rows)
+    for r in (r0, r1):
+        g = r["gather_errors"]
+        assert g["after_break"].startswith("DataError: gather_for_metrics(values) without loader= needs"), g
+        assert g["nested"].startswith("DataError: gather_for_metrics(values) without loader=: 2 EvalLoaders"), g
+        assert "rank per process (in group order) is [0, 0]" in g["sampler_rank"], g
+    # tracker construction fails on one rank: that rank raises its own error, the other a RuntimeError naming it
+    e0, e1 = r0["tracker_errors"], r1["tracker_errors"]
+    assert e0["bad_kwargs"].startswith("TypeError") and "bogus" in e0["bad_kwargs"], e0
+    assert e1["bad_kwargs"].startswith("RuntimeError: init_trackers failed on 1 rank(s): rank 0: TypeError"), e1
+    assert e1["missing_on_1"].startswith("ImportError") and "no-such-tracker-pkg" in e1["missing_on_1"], e1
+    assert e0["missing_on_1"].startswith("RuntimeError: init_trackers failed on 1 rank(s): rank 1: ImportError"), e0

@@ -78,14 +78,16 @@ def test_bad_arguments():
     with pytest.raises(DataError, match="batch_size must be a positive int"):
         eval_loader(list(range(4)), 0)
     loader = eval_loader(list(range(4)), 1, dp_rank=0, dp_size=2)  # simulated rank: gathering needs a group
-    next(iter(loader))
+    it = iter(loader)  # kept: a dropped iterator has left the loop
+    next(it)
     with pytest.raises(DataError, match="default process group has 1 rank"):
         loader.gather_for_metrics(torch.zeros(1))
 
 
 def test_gather_for_metrics_nested_structures_one_process():
     loader = eval_loader(list(range(5)), 3, dp_rank=0, dp_size=1, pad_to_multiple_of=2)
-    first = next(iter(loader))  # rows [0, 1, 2, 0(filler)]
+    it = iter(loader)  # kept: a dropped iterator has left the loop
+    first = next(it)  # rows [0, 1, 2, 0(filler)]
     g = loader.gather_for_metrics({"a": first, "b": [first * 2, (first.double(),)]})
     assert g["a"].tolist() == [0, 1, 2] and g["b"][0].tolist() == [0, 2, 4]
     assert isinstance(g["b"][1], tuple) and g["b"][1][0].dtype == torch.float64

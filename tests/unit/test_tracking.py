@@ -164,6 +164,37 @@ def test_missing_package_names_the_extra(tmp_path, monkeypatch, backend, module)
     assert repr(backend) in str(e.value)
 
 
+def test_missing_package_is_found_before_any_tracker_is_built(tmp_path, monkeypatch):
+    """Checked with find_spec on every rank first (no import): nothing is created when one back end is missing."""
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match="'wandb' tracker needs the 'wandb' package"):
+        start_trackers("proj", log_with=["jsonl", "wandb"], logging_dir=tmp_path)
+    assert not (tmp_path / "proj").exists()
+    with pytest.raises(TypeError, match="bogus"):  # a constructor's own error, as raised (one process)
+        start_trackers("proj", log_with="jsonl", logging_dir=tmp_path, init_kwargs={"jsonl": {"bogus": 1}})
+
+
+def test_jsonl_after_a_torn_last_line(tmp_path):
+    """A run killed mid-write leaves a half line: reading skips it (warning); appending first cuts it off."""
+    g = start_trackers("proj", logging_dir=tmp_path)
+    g.log({"loss": 1.0}, 1)
+    g.finish()
+    path = tmp_path / "proj" / "metrics.jsonl"
+    with open(path, "a") as f:
+        f.write('{"step": 2, "lo')
+    with pytest.warns(UserWarning, match="torn last line 2"):
+        assert read_metrics(path) == [{"step": 1, "loss": 1.0}]
+    with pytest.warns(UserWarning, match="dropped a torn last line"):
+        g = start_trackers("proj", logging_dir=tmp_path)
+    g.log({"loss": 0.5}, 2)
+    g.finish()
+    assert path.read_text() == '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n'
+    with open(path, "a") as f:  # a corrupt line *before* the last is an error naming it
+        f.write('{"step": 3, "lo\n{"step": 4, "loss": 0.25}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 3: not a JSON record"):
+        read_metrics(path)
+
+
 def test_bad_choices(tmp_path):
     with pytest.raises(ValueError, match="Did you mean 'tensorboard'"):
         start_trackers("proj", log_with="tensorbord", logging_dir=tmp_path)

@@ -159,10 +159,12 @@ class EvalLoader:
         return self._iter_iterable() if self.iterable else self._iter_map()
 
     def _iter_map(self) -> Iterator[Any]:
-        for k, batch in enumerate(self.loader):
-            self._set(k, self.plan[k], self.loader.batch_sampler.rows(k))
-            yield batch
-        self.step = -1
+        try:
+            for k, batch in enumerate(self.loader):
+                self._set(k, self.plan[k], self.loader.batch_sampler.rows(k))
+                yield batch
+        finally:  # also a loop left early (break, an exception: the generator is closed)
+            self._leave()
 
     def _iter_iterable(self) -> Iterator[Any]:
         it, filler, k = iter(self.loader), None, 0
@@ -181,9 +183,9 @@ class EvalLoader:
                 self._set(k, counts, rows)
                 yield batch
                 k += 1
-        finally:
+        finally:  # also a loop left early (break, an exception: the generator is closed)
             del it
-        self.step = -1
+            self._leave()
 
     def _exchange(self, valid: int, has_filler: bool) -> tuple[list[int], list[bool]]:
         """All-gather ``(real rows, has a filler sample)`` of every rank (one small tensor per step)."""
@@ -202,9 +204,13 @@ class EvalLoader:
         return filler if filler is not None else box[0]
 
     def _set(self, k: int, counts: list[int], rows: int) -> None:
-        global _ACTIVE
         self.step, self._counts, self.rows, self.num_valid = k, list(counts), rows, counts[self.dp_rank]
-        _ACTIVE = weakref.ref(self)  # torchloom.gather_for_metrics(values) without loader= finds it
+        _ACTIVE.add(self)  # torchloom.gather_for_metrics(values) without loader= finds it
+
+    def _leave(self) -> None:
+        """Out of the loop (finished or left early): no current batch, and no longer the implicit loader."""
+        self.step, self.num_valid, self.rows, self._counts = -1, 0, 0, []
+        _ACTIVE.discard(self)
 
     # -- metrics ---------------------------------------------------------------------------------------------
     @property
@@ -250,39 +256,19 @@ class EvalLoader:
             between ranks, or trailing shapes that differ without ``pad_value``.
         """
         if self.step < 0:
-            raise DataError("gather_for_metrics needs the batch the loader just yielded: call it inside the loop.")
+            raise DataError("gather_for_metrics needs the batch the loader just yielded: call it inside the loop (a "
+                            "loop left by break, or an iterator no longer referenced, is over).")
         if self.dp_size > 1:
             self._check_group()
-        try:
+
+        def mine() -> tuple[list[torch.Tensor], Any, int, None]:
             leaves, spec = _flatten(values)
-            leaves = [v if v.dim() > 0 and v.shape[0] == self.num_valid else self.valid(v) for v in leaves]
-        except DataError as e:
-            if self.dp_size == 1:
-                raise
-            local, meta = e, None  # still join the exchange, so the other ranks raise too instead of waiting
-        else:
-            if self.dp_size == 1:
-                return _unflatten(spec, [v.clone() for v in leaves])
-            local, meta = None, (spec, [(tuple(v.shape[1:]), str(v.dtype)) for v in leaves])
-        metas: list[Any] = [None] * self.dp_size
-        dist.all_gather_object(metas, meta, group=self.group)
-        if local is not None:
-            raise local
-        failed = [r for r, m in enumerate(metas) if m is None]
-        if failed:
-            raise DataError(f"gather_for_metrics: rank(s) {failed} passed values they cannot gather (see their "
-                            "DataError); every rank stops so none waits in the collective.")
-        trailing = _agree(metas, pad_value)
-        most = max(self._counts)
-        out = []
-        for v, shape in zip(leaves, trailing):
-            fill = 0 if pad_value is None else pad_value
-            padded = v.new_full((most, *shape), fill)
-            padded[(slice(0, self.num_valid), *(slice(0, d) for d in v.shape[1:]))] = v
-            parts = [torch.empty_like(padded) for _ in range(self.dp_size)]
-            dist.all_gather(parts, padded, group=self.group)
-            out.append(torch.cat([p[:c] for p, c in zip(parts, self._counts)]))
-        return _unflatten(spec, out)
+            return [v if v.dim() > 0 and v.shape[0] == self.num_valid else self.valid(v) for v in leaves], spec, \
+                self.num_valid, None
+
+        spec, metas, parts = gather_rows(mine, self.dp_size, self.group, pad_value)
+        counts = [m[2] for m in metas]  # == self._counts
+        return _unflatten(spec, [torch.cat([p[:c] for p, c in zip(ps, counts)]) for ps in parts])
 
     def reduce_metrics(self, total: torch.Tensor | float, count: torch.Tensor | float) -> torch.Tensor:
         """:func:`reduce_metrics` over this loader's data-parallel group."""
@@ -303,13 +289,72 @@ class EvalLoader:
                             f"{self.num_valid} of them real), got shape {tuple(values.shape)}.")
 
 
-_ACTIVE: weakref.ref[EvalLoader] | None = None
+_ACTIVE: weakref.WeakSet[EvalLoader] = weakref.WeakSet()  # the EvalLoaders inside their loop on this process
 
 
 def last_eval_loader() -> EvalLoader | None:
-    """The :class:`EvalLoader` that yielded the last batch on this process, if it is still inside its loop."""
-    loader = _ACTIVE() if _ACTIVE is not None else None
-    return loader if loader is not None and loader.step >= 0 else None
+    """The :class:`EvalLoader` this process is iterating now (inside its loop), or None.
+
+    Raises:
+        DataError: several are being iterated (nested loops, or an iterator kept alive after ``next``): which
+            one a value belongs to is ambiguous, so ``gather_for_metrics`` needs ``loader=``.
+    """
+    active = [ld for ld in _ACTIVE if ld.step >= 0]
+    if len(active) > 1:
+        raise DataError(f"gather_for_metrics(values) without loader=: {len(active)} EvalLoaders are being iterated on "
+                        "this process (nested loops, or an iterator still alive), so which one the values come from is "
+                        "ambiguous; pass loader=<the loader that yielded the batch>.")
+    return active[0] if active else None
+
+
+def gather_rows(prepare: Callable[[], tuple[list[torch.Tensor], Any, int, Any]], size: int,
+                group: dist.ProcessGroup | None, pad_value: float | int | bool | None,
+                check: Callable[[list[Any]], None] | None = None) -> tuple[Any, list[Any], list[list[torch.Tensor]]]:
+    """The collective core of both ``gather_for_metrics``: every rank's rows of a structure of tensors.
+
+    ``prepare()`` runs on this rank and returns ``(leaves, spec, rows, extra)``: the tensors (dim 0 = ``rows``, this
+    rank's real rows), ``_flatten``'s spec and a picklable ``extra`` for ``check``. One ``all_gather_object`` then
+    exchanges every rank's ``(spec, [(trailing shape, dtype)], rows, extra)``, or None where ``prepare`` raised a
+    DataError; so that error, a failing ``check(metas)`` or a disagreement (:func:`_agree`) raises on *every* rank
+    and none waits in the tensor all-gathers. ``size`` 1: no communication (``group`` is not used).
+
+    Returns:
+        ``(spec, metas, parts)``: ``parts[leaf][rank]`` is that rank's tensor padded to the largest ``rows`` in dim 0
+        (its first ``metas[rank][2]`` rows are real) and to the agreed trailing shape (``pad_value``, else 0).
+    """
+    try:
+        leaves, spec, rows, extra = prepare()
+    except DataError as e:
+        if size == 1:
+            raise
+        local, meta = e, None  # still join the exchange, so the other ranks raise too instead of waiting
+    else:
+        local, meta = None, (spec, [(tuple(v.shape[1:]), str(v.dtype)) for v in leaves], rows, extra)
+    metas: list[Any] = [meta]
+    if size > 1:
+        metas = [None] * size
+        dist.all_gather_object(metas, meta, group=group)
+    if local is not None:
+        raise local
+    failed = [r for r, m in enumerate(metas) if m is None]
+    if failed:
+        raise DataError(f"gather_for_metrics: rank(s) {failed} passed values they cannot gather (see their "
+                        "DataError); every rank stops so none waits in the collective.")
+    if check is not None:
+        check(metas)  # the same metas everywhere: every rank raises alike
+    trailing = _agree([(m[0], m[1]) for m in metas], pad_value)
+    most = max(m[2] for m in metas)
+    parts = []
+    for v, shape in zip(leaves, trailing):
+        padded = v.new_full((most, *shape), 0 if pad_value is None else pad_value)
+        padded[tuple(slice(0, d) for d in v.shape)] = v
+        if size == 1:
+            parts.append([padded])
+            continue
+        got = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(got, padded, group=group)
+        parts.append(got)
+    return spec, metas, parts
 
 
 def _flatten(values: Any) -> tuple[list[torch.Tensor], Any]:

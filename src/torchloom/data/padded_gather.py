@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from torchloom.data.eval import _agree, _flatten, _unflatten
+from torchloom.data.eval import _flatten, _unflatten, gather_rows
 from torchloom.data.sampler import DataError
 from torchloom.parallel.mesh import current_mesh
 
@@ -43,52 +43,42 @@ def gather_distributed_sampler(values: Any, loader: Any, pad_value: float | int 
     if loader.drop_last:
         epoch_rows -= epoch_rows % loader.batch_size
     offset = _OFFSETS.get(loader, 0)
-    try:
+
+    def mine() -> tuple[list[torch.Tensor], Any, int, tuple[int, int]]:
         leaves, spec = _flatten(values)
         rows = _rows(leaves)
         if offset == 0 and rows == epoch_rows:
-            start, new_offset = 0, 0  # the whole epoch of this rank in one call
+            start = 0  # the whole epoch of this rank in one call
         elif rows == min(loader.batch_size, epoch_rows - offset):
-            start, new_offset = offset, (offset + rows) % max(epoch_rows, 1)
+            start = offset
         else:
             raise DataError(f"gather_for_metrics: got {rows} rows, but this rank's next batch of the loader has "
                             f"{min(loader.batch_size, epoch_rows - offset)} ({offset} of its {epoch_rows} rows this "
                             "epoch were gathered already) and its whole epoch has "
                             f"{epoch_rows}. Call it once per batch, in order, for every batch (several values in one "
                             "call as a tuple/dict), or once with the whole epoch.")
-    except DataError as e:
-        if reps == 1:
-            raise
-        local, meta = e, None  # join the exchange so the other ranks raise too instead of waiting
-    else:
-        local, meta = None, (spec, [(tuple(v.shape[1:]), str(v.dtype)) for v in leaves], start, rows)
-    metas = [meta] if reps == 1 else [None] * reps
-    if reps > 1:
-        dist.all_gather_object(metas, meta, group=group)
-    if local is not None:
-        raise local
-    failed = [r for r, m in enumerate(metas) if m is None]
-    if failed:
-        raise DataError(f"gather_for_metrics: rank(s) {failed} passed values they cannot gather (see their "
-                        "DataError); every rank stops so none waits in the collective.")
-    if len({(m[2], m[3]) for m in metas}) != 1:
-        raise DataError(f"gather_for_metrics: the ranks are at different rows of the epoch: "
-                        f"{ {r: f'rows {m[2]}..{m[2] + m[3]}' for r, m in enumerate(metas)} }; every rank must "
-                        "gather the same batches.")
-    trailing = _agree([(m[0], m[1]) for m in metas], pad_value)
-    _OFFSETS[loader] = new_offset
+        return leaves, spec, rows, (start, sampler.rank)
+
+    spec, metas, parts = gather_rows(mine, reps, group, pad_value, check=_check_positions)
+    rows, start = metas[0][2], metas[0][3][0]
+    _OFFSETS[loader] = (start + rows) % max(epoch_rows, 1)  # 0 again after the epoch's last batch, or all of it
     keep = min(rows * reps, max(0, n - start * reps))  # positions start*R .. ; those >= len(dataset) are repeats
-    out = []
-    for v, shape in zip(leaves, trailing):
-        if reps == 1:
-            out.append(v.clone()[:keep])
-            continue
-        padded = v.new_full((rows, *shape), 0 if pad_value is None else pad_value)
-        padded[(slice(None), *(slice(0, d) for d in v.shape[1:]))] = v
-        parts = [torch.empty_like(padded) for _ in range(reps)]
-        dist.all_gather(parts, padded, group=group)
-        out.append(torch.stack(parts, dim=1).reshape(rows * reps, *shape)[:keep])
-    return _unflatten(spec, out)
+    # rank-minor interleave: local row i of rank r is position (start + i) * R + r of the padded epoch
+    return _unflatten(spec, [torch.stack(ps, dim=1).reshape(rows * reps, *ps[0].shape[1:])[:keep] for ps in parts])
+
+
+def _check_positions(metas: list[Any]) -> None:
+    """Every rank at the same rows of the epoch, and the sampler's ``rank`` of each its rank in the group (else
+    the interleave puts rows at the wrong positions)."""
+    ranks = [m[3][1] for m in metas]
+    if ranks != list(range(len(metas))):
+        raise DataError(f"gather_for_metrics: the DistributedSamplers' rank per process (in group order) is {ranks}, "
+                        f"not {list(range(len(metas)))}: build them with rank= the data-parallel rank "
+                        "(res.mesh.dp_rank, or the default: the global rank).")
+    if len({(m[2], m[3][0]) for m in metas}) != 1:
+        raise DataError(f"gather_for_metrics: the ranks are at different rows of the epoch: "
+                        f"{ {r: f'rows {m[3][0]}..{m[3][0] + m[2]}' for r, m in enumerate(metas)} }; every rank must "
+                        "gather the same batches.")
 
 
 def _rows(leaves: list[torch.Tensor]) -> int:
@@ -100,7 +90,8 @@ def _rows(leaves: list[torch.Tensor]) -> int:
 
 
 def _sampler_group(sampler: DistributedSampler) -> dist.ProcessGroup | None:
-    """The group whose ranks are the sampler's replicas: the default group, or the current mesh's dp group."""
+    """The group whose ranks are the sampler's replicas: the default group, or the current mesh's dp group.
+    Decided by what every rank shares (world size, the mesh), so a failure here raises on every rank."""
     reps = sampler.num_replicas
     if reps == 1:
         return None
@@ -109,7 +100,7 @@ def _sampler_group(sampler: DistributedSampler) -> dist.ProcessGroup | None:
     if reps == dist.get_world_size():
         return None
     cur = current_mesh()
-    if cur is not None and cur.dp_size == reps and cur.dp_rank == sampler.rank:
+    if cur is not None and cur.dp_size == reps:  # the same on every rank; sampler.rank is checked in the exchange
         return cur.group("dp")
     raise DataError(f"DistributedSampler(num_replicas={reps}) matches neither the world ({dist.get_world_size()} "
                     "ranks) nor the current torchloom mesh's data-parallel group; build it with "

@@ -108,10 +108,23 @@ def require(module: str, tracker: str, package: str | None = None) -> ModuleType
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        pkg = package or module
-        raise ImportError(f"the {tracker!r} tracker needs the {pkg!r} package, which could not be imported ({e}). "
-                          f"Install the optional dependencies with `{HF_EXTRA}` (or `pip install {pkg}`), or "
-                          "choose another back end in log_with=.") from e
+        raise _missing(module, tracker, package, str(e)) from e
+
+
+def check_importable(module: str, tracker: str, package: str | None = None) -> None:
+    """Raise :func:`require`'s ImportError if ``module`` cannot be found, without importing it (cheap on every
+    rank, while only the main process builds the tracker)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise _missing(module, tracker, package, f"no module named {module!r}")
+
+
+def _missing(module: str, tracker: str, package: str | None, why: str) -> ImportError:
+    pkg = package or module
+    return ImportError(f"the {tracker!r} tracker needs the {pkg!r} package, which could not be imported ({why}). "
+                       f"Install the optional dependencies with `{HF_EXTRA}` (or `pip install {pkg}`), or "
+                       "choose another back end in log_with=.")
 
 
 def _is_numpy_array(v: Any) -> bool:

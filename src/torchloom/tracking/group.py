@@ -7,11 +7,14 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
-from torchloom.tracking.base import Tracker, check_step, scalar_values
-from torchloom.utils import did_you_mean
+from torchloom.tracking.base import Tracker, check_importable, check_step, scalar_values
+from torchloom.utils import did_you_mean, distributed
 
 DEFAULT_LOGGING_DIR = "torchloom_logs"
 BACKENDS = ("jsonl", "tensorboard", "mlflow", "wandb")
+# back end -> (module its tracker imports, pip package): checked on every rank before rank 0 builds the trackers
+PACKAGES: dict[str, tuple[str, str]] = {"tensorboard": ("tensorboard", "tensorboard"),
+                                        "mlflow": ("mlflow", "mlflow-skinny"), "wandb": ("wandb", "wandb")}
 
 
 def tracker_class(name: str) -> type[Tracker]:
@@ -95,11 +98,23 @@ class TrackerGroup:
         if first is not None:
             raise first
 
+    def finish_quietly(self) -> None:
+        """Finish every tracker, ignoring their errors (cleanup after a failed start)."""
+        try:
+            self.finish()
+        except Exception:  # noqa: BLE001 - the start's own error is the one to report
+            pass
+
 
 def start_trackers(project_name: str, config: Mapping[str, Any] | None = None, log_with: Any = "jsonl",
                    logging_dir: str | os.PathLike | None = None,
-                   init_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> TrackerGroup:
+                   init_kwargs: Mapping[str, Mapping[str, Any]] | None = None, *, collective: bool = True) -> TrackerGroup:
     """Build the trackers ``log_with`` names (on the main process only) and store ``config`` in each.
+
+    Collective when a process group is initialised (``collective=True``, the default; call it on every rank): every
+    rank checks that the chosen back ends' packages can be found, the main process builds the trackers, and one
+    small all-gather shares the outcome, so an error on any rank raises on every rank instead of leaving the
+    others waiting in their next collective (a tracker built before the failure is finished again).
 
     Args:
         project_name: the run's name: its directory under ``logging_dir`` (``str``, no path separator).
@@ -109,11 +124,15 @@ def start_trackers(project_name: str, config: Mapping[str, Any] | None = None, l
         logging_dir: root directory (default ``./torchloom_logs``).
         init_kwargs: per back end, keyword arguments of its tracker class, e.g. ``{"wandb": {"name": "x"},
             "mlflow": {"tracking_uri": ...}}``.
+        collective: False: no communication (the main process alone may call it; errors stay on the rank).
 
     Raises:
         ValueError / TypeError: see :func:`resolve_log_with`; an empty ``project_name`` or one with a path
-            separator; ``init_kwargs`` for a back end ``log_with`` does not choose.
+            separator; ``init_kwargs`` for a back end ``log_with`` does not choose (every rank alike).
         ImportError: a chosen back end's package is missing (names ``pip install torchloom[hf]``).
+        Any error of a tracker's constructor or ``store_init_configuration`` (e.g. a ``TypeError`` for a bad
+            ``init_kwargs`` key): raised as such on the rank where it happened; the other ranks raise a
+            ``RuntimeError`` naming that rank and its error.
     """
     from torchloom.main_process import is_main_process
 
@@ -128,21 +147,48 @@ def start_trackers(project_name: str, config: Mapping[str, Any] | None = None, l
         raise TypeError(f"config must be a dict, got {type(config).__name__}.")
     main = is_main_process()
     root = Path(logging_dir if logging_dir is not None else DEFAULT_LOGGING_DIR)
-    if not main:
-        return TrackerGroup([], None, main=False)
-    trackers = [tracker_class(c)(project_name, root, **init_kwargs.get(c, {})) if isinstance(c, str) else c
-                for c in chosen]
-    if config is not None:
-        for t in trackers:
-            t.store_init_configuration(config)
-    return TrackerGroup(trackers, root / project_name, main=True)
+    built: list[Tracker] = []
+
+    def build() -> None:
+        for c in chosen:
+            if isinstance(c, str) and c in PACKAGES:
+                check_importable(PACKAGES[c][0], c, PACKAGES[c][1])
+        if not main:
+            return
+        for c in chosen:
+            built.append(tracker_class(c)(project_name, root, **init_kwargs.get(c, {})) if isinstance(c, str) else c)
+        if config is not None:
+            for t in built:
+                t.store_init_configuration(config)
+
+    try:
+        _on_every_rank(build) if collective else build()
+    except BaseException:
+        TrackerGroup([t for t in built if not any(t is c for c in chosen)], None, main).finish_quietly()  # ours only
+        raise
+    return TrackerGroup(built, root / project_name, main=True) if main else TrackerGroup([], None, main=False)
+
+
+def _on_every_rank(fn: Any) -> Any:
+    """``fn()`` on every rank, then agree (``checkpoint.commit.run_everywhere``: one all-gather of the errors): this
+    rank's own error is re-raised as it is; a rank that did not fail raises a RuntimeError naming the failed ones."""
+    if not distributed():
+        return fn()
+    from torchloom.checkpoint.commit import CheckpointError, run_everywhere
+
+    try:
+        return run_everywhere(fn, "init_trackers")
+    except CheckpointError as e:
+        if e.__cause__ is not None:
+            raise e.__cause__ from None  # this rank's own error, with its type and traceback
+        raise RuntimeError(f"{e} (trackers are built on the main process; every rank stops)") from None
 
 
 def start_default_trackers() -> TrackerGroup:
     """The JSONL tracker ``res.log`` starts when ``init_trackers`` was not called:
     ``./torchloom_logs/run-<UTC time>/metrics.jsonl``; warns once (main process) saying where."""
     name = time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
-    group = start_trackers(name)
+    group = start_trackers(name, collective=False)  # res.log may run on rank 0 alone: no communication
     if group.main:
         warnings.warn(f"log() before init_trackers(): logging to JSONL at {(group.run_dir / 'metrics.jsonl').resolve()}"
                       "; call res.init_trackers(project_name, log_with=..., logging_dir=...) first to choose the "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -22,6 +23,7 @@ class MetricsWriter:
         self._f = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            drop_torn_tail(self.path)  # else the next record is glued onto a killed run's half line
             self._f = open(self.path, "a", encoding="utf-8")
 
     def truncate_after(self, step: int) -> int:
@@ -58,9 +60,57 @@ class MetricsWriter:
             self._f = None
 
 
+def drop_torn_tail(path: Path) -> bytes:
+    """Cut ``path`` after its last newline: a last line without one is a record a killed run did not finish (each
+    record is written with its newline in one flushed write). Warns and returns the dropped bytes (``b""``: none)."""
+    try:
+        f = open(path, "rb+")
+    except FileNotFoundError:
+        return b""
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        pos = end
+        while pos > 0:  # scan back for the last newline, 64 KiB at a time
+            lo = max(0, pos - 65536)
+            f.seek(lo)
+            nl = f.read(pos - lo).rfind(b"\n")
+            if nl >= 0:
+                pos = lo + nl + 1
+                break
+            pos = lo
+        if pos == end:
+            return b""
+        f.seek(pos)
+        torn = f.read()
+        f.truncate(pos)
+    warnings.warn(f"{path}: dropped a torn last line (a run killed mid-write): {torn[:80]!r}", stacklevel=3)
+    return torn
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of a ``metrics.jsonl`` file."""
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    """All records of a ``metrics.jsonl`` file (one JSON object per line), in file order.
+
+    A last line without its newline that is not valid JSON is a record a killed run did not finish: skipped with a
+    warning (the writer drops it when it next opens the file).
+
+    Raises:
+        ValueError: any other line that is not valid JSON (naming the file and line number).
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError as e:
+            if i == len(lines) and not text.endswith("\n"):
+                warnings.warn(f"{path}: skipped a torn last line {i} (a run killed mid-write): {line[:80]!r}",
+                              stacklevel=2)
+                continue
+            raise ValueError(f"{path}, line {i}: not a JSON record ({e}): {line[:80]!r}") from None
+    return out
 
 
 class JSONLTracker(Tracker):
