@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Mapping
 
+import torch
 import torch.distributed as dist
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -100,6 +101,11 @@ class StatefulDataLoader:
         self.dataset, self.sampler = dataset, sampler
         self.group, self.uneven = group, uneven
         self._cursor = _Cursor()
+        # DataLoader draws its workers' base seed from `generator`, or from the global torch RNG at each
+        # iter(): a resumed epoch would then draw it after the checkpoint's RNG was restored, shifting every
+        # later dropout mask against the uninterrupted run. An own generator per epoch leaves the global RNG
+        # alone and gives workers the same seeds on resume.
+        self._own_generator = dataloader_kwargs.get("generator") is None
         # batch-count mode with the dataset's own state: its state after the last batch handed out, and a
         # loaded (epoch, batches, state) the next pass restores instead of re-reading
         if iterable_resume not in ITERABLE_RESUME:
@@ -171,11 +177,21 @@ class StatefulDataLoader:
     def __iter__(self) -> Iterator[Any]:
         return self._iter_sampler() if self.sampler is not None else self._iter_counted()
 
+    def _iter_loader(self, epoch: int) -> Iterator[Any]:
+        """``iter(self.loader)`` without touching the global torch RNG (see ``_own_generator``): the workers'
+        base seed comes from a generator seeded by (sampler seed, epoch, dp rank)."""
+        if self._own_generator:
+            seed, rank = (self.sampler.seed, self.sampler.dp_rank) if self.sampler is not None else (0, 0)
+            g = torch.Generator()
+            g.manual_seed((seed * 1_000_003 + epoch) * 65_537 + rank)
+            self.loader.generator = g
+        return iter(self.loader)
+
     def _iter_sampler(self) -> Iterator[Any]:
         c, s = self._cursor, self.sampler
         c.begin(exhausted=c.consumed >= s.epoch_length)
         s._set_position(c.epoch, c.consumed)
-        it = iter(self.loader)
+        it = self._iter_loader(c.epoch)
         try:
             for batch in it:
                 c.consumed += s.step_size  # count before handing out: a checkpoint now includes it
@@ -196,7 +212,7 @@ class StatefulDataLoader:
             self._dataset_state, skip = pending[2], 0
         elif c.consumed == 0:
             self._dataset_state = None
-        it = iter(self.loader)
+        it = self._iter_loader(c.epoch)
         if self.resumes_from_dataset_state:
             # read right after each batch is fetched: join_batches reads a step ahead of what is handed out
             it = ((batch, self.dataset.state_dict()) for batch in it)
