@@ -289,4 +289,10 @@ def run(opts: LaunchOptions, target: str, args: list[str] | tuple[str, ...] = ()
     except SystemExit as e:  # torchrun's parser printed why
         return e.code if isinstance(e.code, int) else 2
     os.environ.update(worker_env(opts))
+    if not opts.single_node():
+        # torchrun's rendezvous waits silently for the other nodes: say what it waits for
+        where = opts.rdzv_endpoint or (f"{opts.master_addr}:{opts.master_port}" if opts.master_addr else "this host")
+        print(f"[loom] waiting for nodes: --nnodes {opts.nnodes}, rendezvous at {where} (id "
+              f"{opts.rdzv_id or 'none'}); start the other nodes with the same --nnodes, --rdzv-endpoint and "
+              "--rdzv-id, or use --nnodes 1 for one machine", file=sys.stderr, flush=True)
     return launch(run_args)
