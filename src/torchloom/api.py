@@ -89,7 +89,7 @@ class AccelerateResult:
     # -- experiment tracking (torchloom.tracking; docs/hf.md, "Trackers and main-process helpers") ------------
     def init_trackers(self, project_name: str, config: dict[str, Any] | None = None, log_with: Any = "jsonl",
                       logging_dir: Any = None, init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
-        """Start the trackers :meth:`log` writes to (on the global main process; the other ranks only check).
+        """Start the trackers :meth:`log` writes to (collective: call it on every rank; rank 0 builds and writes them, and a failure there raises on every rank).
 
         Args:
             project_name: the run's name and directory under ``logging_dir``.
