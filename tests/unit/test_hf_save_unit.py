@@ -122,3 +122,34 @@ def test_config_json_names_the_plain_class_and_dtype(tmp_path):
     cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert cfg["dtype"] == "bfloat16" and cfg["architectures"] == ["LlamaForCausalLM"]
     assert model.config.architectures is None  # the live config is not changed
+
+
+def test_a_save_of_one_kind_replaces_a_save_of_the_other(tmp_path):
+    """Merged over adapter: the old adapter files would be loaded on top of the merged weights (logits off
+    ~1e-3); adapter over merged: the old full model would be the base the adapter is applied to."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base_dir = tmp_path / "base"
+    tiny_llama(0).save_pretrained(base_dir)
+    peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir),
+                                LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    peft_model.peft_config["default"].base_model_name_or_path = str(base_dir)
+    x = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        want = peft_model(x).logits
+    d = tmp_path / "out"
+    save_pretrained(peft_model, d)
+    save_pretrained(peft_model, d, merge=True)
+    assert not any(p.name.startswith("adapter_") for p in d.iterdir())
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(d)(x).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # merged: float32 rounding only
+    save_pretrained(peft_model, d)
+    names = {p.name for p in d.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= names
+    assert not names & {"config.json", "generation_config.json", "model.safetensors"}
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(d)(x).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

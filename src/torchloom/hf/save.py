@@ -35,7 +35,10 @@ _ROOT_WRAPPERS = {"DistributedDataParallel": "module", "OptimizedModule": "_orig
 # what from_pretrained reads first: removed first and written last, so a crash never leaves them beside
 # partly replaced weights
 _MARKERS = ("config.json", "adapter_config.json")
-_WEIGHT_FILE = re.compile(r"(model|adapter_model)(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+# every file a save_pretrained of either kind (full model or peft adapter) writes: a save replaces all of them,
+# or a folder would hold both kinds and transformers would load the old adapter on top of a merged model
+_SAVE_FILE = re.compile(r"(config|generation_config|adapter_config)\.json"
+                        r"|(model|adapter_model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
 _SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # as huggingface_hub parses them
 
 
@@ -282,7 +285,10 @@ def _write_clean_copy(staged: Path, src: _Source, sd: dict[str, torch.Tensor], m
 def _publish(staged: Path, dest: Path) -> None:
     """Move the staged files into ``dest`` so that no reader ever sees a directory that looks complete but is
     not: a new ``dest`` is one rename; in an existing one the marker files (``config.json``,
-    ``adapter_config.json``) go first and come back last, and stale weight files of the same kind go."""
+    ``adapter_config.json``, of either kind) go first and the new ones come back last. Every other file an
+    earlier ``save_pretrained`` of either kind wrote (weights, shards, indexes, configs) and the new save does
+    not rewrite goes too: a merged save over an adapter save must not leave the adapter that transformers
+    would load on top of it (and the reverse). Other files (a tokenizer, the user's) stay."""
     files = sorted(p.relative_to(staged) for p in staged.rglob("*") if p.is_file())
     for f in files:
         os.chmod(staged / f, 0o644)  # a saved model is meant to be shared (safetensors writes 0600)
@@ -293,15 +299,17 @@ def _publish(staged: Path, dest: Path) -> None:
         commit.fsync_dir(dest.parent)
         return
     markers = [f for f in files if f.name in _MARKERS]
-    for m in markers:
-        (dest / m).unlink(missing_ok=True)
+    parents = {f.parent for f in files} | {Path(".")}
+    for parent in parents:
+        for m in _MARKERS:
+            (dest / parent / m).unlink(missing_ok=True)
     commit.fsync_dir(dest)
     new = set(files)
-    kinds = {(f.parent, _WEIGHT_FILE.fullmatch(f.name).group(1)) for f in files if _WEIGHT_FILE.fullmatch(f.name)}
-    for parent, kind in kinds:
-        for old in (dest / parent).glob(f"{kind}*"):
-            match = _WEIGHT_FILE.fullmatch(old.name)
-            if old.is_file() and match and match.group(1) == kind and parent / old.name not in new:
+    for parent in parents:
+        if not (dest / parent).is_dir():
+            continue
+        for old in (dest / parent).iterdir():
+            if old.is_file() and _SAVE_FILE.fullmatch(old.name) and parent / old.name not in new:
                 old.unlink()
     # shards before their index, the markers last
     order = sorted((f for f in files if f.name not in _MARKERS), key=lambda f: f.name.endswith(".index.json"))
