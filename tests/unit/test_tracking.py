@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import torchloom.main_process as mp
+from tests.distributed._main_process_workers import Recorder  # the custom tracker both tests use
 from torchloom.tracking import Tracker, read_metrics, start_trackers
 
 LOGS = [({"loss": torch.tensor(1.5), "tokens": 32, "lr": 0.25}, 0),
@@ -97,20 +98,6 @@ def test_wandb_refuses_a_lower_step():
         t.log({"x": 1}, 4)
 
 
-class Recorder(Tracker):
-    name = "recorder"
-
-    def __init__(self):
-        self.config, self.calls, self.finished = None, [], False
-
-    def store_init_configuration(self, config):
-        self.config = dict(config)
-
-    def log(self, values, step):
-        self.calls.append((values, step))
-
-    def finish(self):
-        self.finished = True
 
 
 def test_custom_tracker_and_list(tmp_path):
