@@ -66,7 +66,8 @@ CASES = {  # tag -> (strategy, tied embeddings)
 def save_rank(tmp: str) -> dict:
     """Every strategy of CASES trains one step and saves; fsdp also with small shards, a tokenizer, a custom
     generation config and through ``res.model.save_pretrained``; then a LoRA model under fsdp saves its
-    adapter and its merged model. Returns per case this rank's live full tensors and the returned paths."""
+    adapter and its merged model (and is refused an adapter save over the merged one). Returns per case this
+    rank's live full tensors and the returned paths."""
     from torchloom.hf import save_pretrained
 
     root = Path(tmp)
@@ -96,6 +97,10 @@ def save_rank(tmp: str) -> dict:
     out["lora"] = {"params": _live_params(res.model), "type": type(res.model).__name__,
                    "path": str(save_pretrained(res.model, root / "lora")),
                    "merged": str(save_pretrained(res.model, root / "merged", merge=True))}
+    try:  # the adapter into the merged model's folder: refused on every rank before gathering
+        res.model.save_pretrained(root / "merged")
+    except Exception as e:  # noqa: BLE001 - the test checks the type and message of every rank
+        out["lora"]["refused"] = f"{type(e).__name__}: {e}"
     res.model.save_pretrained(root / "lora_routed")
     out["lora"]["after"] = _live_params(res.model)  # merging used a copy: the live adapter is unchanged
     return out

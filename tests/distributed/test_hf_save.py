@@ -153,6 +153,12 @@ def test_lora_under_fsdp_adapter_and_merged(saved):
         adapter = PeftModel.from_pretrained(tiny_llama(0, tie=True), d).eval()  # the frozen base: the init
         assert torch.equal(_logits(adapter), want)
     merged_dir = tmp / "merged"
+    for r in ranks:  # the adapter over the merged model: every rank raised, nothing was written
+        refused = r["lora"]["refused"]
+        assert refused.startswith("CheckpointError: save_pretrained: "), refused
+        assert "holds a full model (model_type 'llama', LlamaForCausalLM)" in refused and "overwrite=True" in refused
+    assert sorted(p.name for p in merged_dir.iterdir()) == ["config.json", "generation_config.json",
+                                                           "model.safetensors"]
     adapter_bytes = os.path.getsize(tmp / "lora" / "adapter_model.safetensors")
     assert adapter_bytes * 10 < os.path.getsize(merged_dir / "model.safetensors")
     merged, info = AutoModelForCausalLM.from_pretrained(merged_dir, output_loading_info=True)

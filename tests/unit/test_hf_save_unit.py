@@ -43,6 +43,8 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
         save_pretrained(model, tmp_path / "a", safe_serialization=False)
     with pytest.raises(ValueError, match="not a peft.PeftModel"):
         save_pretrained(model, tmp_path / "a", merge=True)
+    with pytest.raises(ValueError, match="overwrite must be True or False"):
+        save_pretrained(model, tmp_path / "a", overwrite="yes")
     with pytest.raises(TypeError, match="save_pretrained"):
         save_pretrained(model, tmp_path / "a", tokenizer=object())
     with pytest.raises(TypeError, match="export_safetensors"):
@@ -99,6 +101,9 @@ def test_an_interrupted_publish_leaves_no_config(tmp_path, monkeypatch):
     # the old weights are still there, but without config.json from_pretrained refuses the directory
     assert not (d / "config.json").exists() and (d / "model.safetensors").exists()
     assert not [p for p in tmp_path.iterdir() if "torchloom-tmp" in p.name]  # staging removed
+    monkeypatch.undo()  # the save again: weights without a config are taken as its interrupted self
+    save_pretrained(tiny_llama(1), d)
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
 def test_names_that_do_not_match_the_plain_model_are_an_error_not_a_file(tmp_path):
@@ -124,32 +129,153 @@ def test_config_json_names_the_plain_class_and_dtype(tmp_path):
     assert model.config.architectures is None  # the live config is not changed
 
 
-def test_a_save_of_one_kind_replaces_a_save_of_the_other(tmp_path):
-    """Merged over adapter: the old adapter files would be loaded on top of the merged weights (logits off
-    ~1e-3); adapter over merged: the old full model would be the base the adapter is applied to."""
+def _files(d) -> dict[str, bytes]:
+    """Every file under ``d`` (relative path -> bytes)."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _lora(base_dir):
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    base_dir = tmp_path / "base"
-    tiny_llama(0).save_pretrained(base_dir)
     peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir),
                                 LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
     peft_model.peft_config["default"].base_model_name_or_path = str(base_dir)
+    return peft_model
+
+
+def _refused(model, d, match: str, monkeypatch, **kw) -> None:
+    """``save_pretrained(model, d)`` is refused before anything is gathered, and ``d`` is left byte-equal."""
+    before = _files(d)
+
+    def no_gather(_model):
+        raise AssertionError("gathered before refusing")
+
+    monkeypatch.setattr(S, "gather_full_state", no_gather)
+    with pytest.raises(CheckpointError, match=match) as e:
+        save_pretrained(model, d, **kw)
+    monkeypatch.undo()
+    assert "overwrite=True" in str(e.value) and "nothing was written" in str(e.value)
+    assert _files(d) == before
+    assert not [p for p in d.parent.iterdir() if "torchloom-tmp" in p.name]
+
+
+def test_an_adapter_over_a_full_model_and_a_full_model_over_an_adapter_are_refused(tmp_path, monkeypatch):
+    """Both kinds in one folder: transformers applies the adapter on top of the full (maybe merged) model, and
+    the earlier save's files would be deleted; refused, on every rank before gathering, naming what is there."""
+    tiny_llama(0).save_pretrained(tmp_path / "base")
+    peft_model = _lora(tmp_path / "base")
+    full = tmp_path / "full"
+    save_pretrained(tiny_llama(1), full)
+    _refused(peft_model, full, r"holds a full model \(model_type 'llama', LlamaForCausalLM.*config.json.*"
+                               r"model.safetensors.*this save writes a peft adapter", monkeypatch)
+    adapter = tmp_path / "adapter"
+    save_pretrained(peft_model, adapter)
+    (adapter / "notes.txt").write_text("mine")
+    _refused(peft_model, adapter, r"holds a peft adapter \(LORA.*adapter_config.json.*this save writes a full "
+                                  r"model \(model_type 'llama'", monkeypatch, merge=True)
+    _refused(tiny_llama(1), adapter, "holds a peft adapter", monkeypatch)
+
+
+def test_a_model_of_another_type_is_refused_naming_both(tmp_path, monkeypatch):
+    from tests.distributed._hf_save_workers import tokenizer
+    from tests.models import tiny_gpt2
+
+    d = tmp_path / "gpt2"
+    tiny_gpt2(0).save_pretrained(d, max_shard_size="60KB")  # a downloaded model folder: shards, index, tokenizer
+    tokenizer().save_pretrained(d)
+    assert len(list(d.glob("model-*-of-*.safetensors"))) >= 2
+    _refused(tiny_llama(0), d, r"holds a full model \(model_type 'gpt2', GPT2LMHeadModel.*model.safetensors.index"
+                               r".json.*tokenizer.json.*this save writes a full model \(model_type 'llama', "
+                               r"LlamaForCausalLM\)", monkeypatch)
+    # the same model_type with another head is another model too
+    from transformers import LlamaForSequenceClassification
+
+    llama = tmp_path / "llama"
+    save_pretrained(tiny_llama(0), llama)
+    torch.manual_seed(0)
+    _refused(LlamaForSequenceClassification(tiny_llama(0).config), llama,
+             "LlamaForCausalLM.*LlamaForSequenceClassification", monkeypatch)
+
+
+def test_overwrite_replaces_the_other_models_files_and_keeps_the_users(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.distributed._hf_save_workers import tokenizer
+    from tests.models import tiny_gpt2
+
+    d = tmp_path / "out"
+    tiny_gpt2(0).save_pretrained(d, max_shard_size="60KB")
+    tokenizer().save_pretrained(d)
+    (d / "notes.txt").write_text("mine")
+    (d / "runs").mkdir()
+    (d / "runs" / "log.txt").write_text("mine too")
+    model = tiny_llama(0)
+    save_pretrained(model, d, overwrite=True)
+    assert _files(d).keys() == {"config.json", "generation_config.json", "model.safetensors", "notes.txt",
+                               "runs/log.txt"}  # the gpt2 tokenizer does not belong to the new model
+    assert (d / "notes.txt").read_text() == "mine" and (d / "runs" / "log.txt").read_text() == "mine too"
+    loaded = AutoModelForCausalLM.from_pretrained(d)
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+    # the same model again (no switch needed): its tokenizer stays when the re-save has none
+    save_pretrained(model, d, tokenizer=tokenizer())
+    save_pretrained(model, d)
+    assert AutoTokenizer.from_pretrained(d)("w1 w2")["input_ids"] == [3, 4]
+
+
+def test_a_save_of_one_kind_replaces_the_other_only_with_overwrite(tmp_path, monkeypatch):
+    """Merged over adapter: the old adapter files would be loaded on top of the merged weights (logits off
+    ~1e-3); adapter over merged: the old full model would be the base the adapter is applied to. Refused
+    without overwrite=True; with it, the other kind's files are gone and each loads exactly."""
+    from transformers import AutoModelForCausalLM
+
+    base_dir = tmp_path / "base"
+    tiny_llama(0).save_pretrained(base_dir)
+    peft_model = _lora(base_dir)
     x = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         want = peft_model(x).logits
     d = tmp_path / "out"
     save_pretrained(peft_model, d)
-    save_pretrained(peft_model, d, merge=True)
+    save_pretrained(peft_model, d)  # the same adapter again: no switch needed
+    _refused(peft_model, d, "holds a peft adapter", monkeypatch, merge=True)
+    save_pretrained(peft_model, d, merge=True, overwrite=True)
     assert not any(p.name.startswith("adapter_") for p in d.iterdir())
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(d)(x).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # merged: float32 rounding only
-    save_pretrained(peft_model, d)
+    save_pretrained(peft_model, d, merge=True)  # the same merged model again
+    _refused(peft_model, d, "holds a full model", monkeypatch)
+    save_pretrained(peft_model, d, overwrite=True)
     names = {p.name for p in d.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= names
     assert not names & {"config.json", "generation_config.json", "model.safetensors"}
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(d)(x).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_an_adapter_for_another_base_is_refused(tmp_path, monkeypatch):
+    tiny_llama(0).save_pretrained(tmp_path / "base")
+    d = tmp_path / "out"
+    save_pretrained(_lora(tmp_path / "base"), d)
+    other = _lora(tmp_path / "base")
+    other.peft_config["default"].base_model_name_or_path = "someone/else"
+    _refused(other, d, f"base model '{tmp_path / 'base'}'.*base model 'someone/else'", monkeypatch)
+
+
+def test_an_adapter_in_a_sub_folder_leaves_the_model_beside_it(tmp_path):
+    """peft writes an adapter not named ``default`` into ``<dir>/<name>``: the full model in ``<dir>`` is not its
+    file, and stays."""
+    from peft import LoraConfig, get_peft_model
+
+    d = tmp_path / "out"
+    save_pretrained(tiny_llama(1), d)
+    before = _files(d)
+    peft_model = get_peft_model(tiny_llama(0), LoraConfig(r=2, target_modules=["q_proj"]), adapter_name="mine")
+    save_pretrained(peft_model, d)
+    after = _files(d)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert {"mine/adapter_config.json", "mine/adapter_model.safetensors"} <= after.keys()

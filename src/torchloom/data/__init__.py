@@ -4,7 +4,7 @@ evaluation that counts every sample exactly once; ranks that agree when iterable
 from torchloom.data.batching import BatchPlan, plan_batches
 from torchloom.data.eval import EvalLoader, eval_loader, reduce_metrics, split_counts
 from torchloom.data.loader import StatefulDataLoader, build_dataloader
-from torchloom.data.sampler import DataError, ElasticDistributedSampler
+from torchloom.data.sampler import DataError, ElasticDistributedSampler, PaddedEpochWarning
 
-__all__ = ["BatchPlan", "plan_batches", "DataError", "ElasticDistributedSampler", "EvalLoader", "StatefulDataLoader",
-           "build_dataloader", "eval_loader", "reduce_metrics", "split_counts"]
+__all__ = ["BatchPlan", "plan_batches", "DataError", "ElasticDistributedSampler", "EvalLoader", "PaddedEpochWarning",
+           "StatefulDataLoader", "build_dataloader", "eval_loader", "reduce_metrics", "split_counts"]

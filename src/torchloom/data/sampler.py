@@ -17,7 +17,7 @@ from torch.utils.data import Sampler
 
 from torchloom.errors import TorchloomError
 
-__all__ = ["DataError", "ElasticDistributedSampler"]
+__all__ = ["DataError", "ElasticDistributedSampler", "PaddedEpochWarning"]
 
 _STATE_KEYS = ("epoch", "consumed", "seed", "num_samples", "global_batch_size")
 
@@ -25,6 +25,12 @@ _STATE_KEYS = ("epoch", "consumed", "seed", "num_samples", "global_batch_size")
 class DataError(TorchloomError, ValueError):
     """A sampler/loader is misconfigured, or a saved data position cannot be restored exactly
     (dataset changed, or the position does not fall on a micro-step of the new layout)."""
+
+
+class PaddedEpochWarning(UserWarning):
+    """``drop_last=False`` fills the last global batch of every epoch with repeated samples (said once per
+    sampler, on data-parallel rank 0; ``warnings.filterwarnings("ignore", category=PaddedEpochWarning)``
+    silences it)."""
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -88,7 +94,8 @@ class ElasticDistributedSampler(Sampler[int]):
         seed: the order of epoch ``e`` is ``torch.randperm(num_samples)`` seeded with ``seed + e``.
         shuffle: ``False`` uses ``0..num_samples-1`` every epoch.
         drop_last: ``True`` drops the final ``num_samples % global_batch_size`` samples of the order;
-            ``False`` pads the epoch to a multiple of ``global_batch_size`` by wrapping around.
+            ``False`` pads the epoch to a multiple of ``global_batch_size`` by wrapping around (repeated
+            samples: a :class:`PaddedEpochWarning` on ``dp_rank`` 0 at the first pass names how many).
 
     Epoch length (``epoch_length``, global samples) depends only on ``num_samples``,
     ``global_batch_size`` and ``drop_last``, never on ``dp_size``.  At micro-step ``k`` rank ``r``
@@ -149,6 +156,7 @@ class ElasticDistributedSampler(Sampler[int]):
                 "empty epoch; use drop_last=False (pads by wrapping) or a smaller global batch."
             )
         self._cursor = _Cursor()
+        self._padding_said = 0  # the repeated-sample count last warned about (PaddedEpochWarning)
 
     # -- geometry -----------------------------------------------------------------------------
     @property
@@ -202,7 +210,24 @@ class ElasticDistributedSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         start = self._start()
+        self._warn_padding()
         return self._generate(self._cursor.epoch, start)
+
+    def _warn_padding(self) -> None:
+        """Say once (data-parallel rank 0, at the first pass; again only if a new global batch changes the
+        count) that ``drop_last=False`` repeats samples: more than ``DistributedSampler``, which pads to a
+        multiple of the ranks only, and wrong for a metric."""
+        repeated = self.epoch_length - self.num_samples
+        if repeated <= 0 or self.dp_rank != 0 or repeated == self._padding_said:
+            return
+        self._padding_said = repeated
+        n, gbs = self.num_samples, self.global_batch_size
+        fix = (f"use drop_last=True to drop the last {n % gbs} samples of each epoch instead" if n >= gbs else
+               "drop_last=True would leave no batch at all: use a smaller global batch to repeat fewer")
+        warnings.warn(
+            f"drop_last=False: the last global batch of each epoch is padded with {repeated} repeated samples "
+            f"({n} samples, global batch {gbs}: {self.epoch_length} per epoch); {fix}. For evaluation use "
+            "torchloom.data.eval_loader, which counts every sample once.", PaddedEpochWarning, stacklevel=2)
 
     def _generate(self, epoch: int, start: int) -> Iterator[int]:
         order = self.global_order(epoch)

@@ -5,7 +5,8 @@ How: every rank takes part in gathering the full weights (:func:`torchloom.check
 the export's gathering); rank 0 rebuilds the plain Hugging Face class on the meta device, puts the gathered
 CPU tensors in (``load_state_dict(assign=True)``, strict: a name that differs from the plain model's is an
 error here, not a file that loads with random weights), lets that clean copy's own ``save_pretrained`` write
-into a staging directory, then publishes the files (:func:`_publish`). See docs/hf.md.
+into a staging directory, then publishes the files (:func:`_publish`). Before anything is gathered, a folder
+holding another model is refused (:mod:`torchloom.hf.save_target`). See docs/hf.md.
 """
 from __future__ import annotations
 
@@ -28,23 +29,19 @@ from torchloom.checkpoint.api import gather_full_state
 from torchloom.checkpoint.state import tied_groups
 from torchloom.checkpoint.trainer_state import check_tied_values
 from torchloom.errors import CheckpointError
-from torchloom.hf import peft_io
+from torchloom.hf import peft_io, save_target
 
 # wrappers torchloom puts around the root (attribute holding the wrapped module)
 _ROOT_WRAPPERS = {"DistributedDataParallel": "module", "OptimizedModule": "_orig_mod"}
 # what from_pretrained reads first: removed first and written last, so a crash never leaves them beside
 # partly replaced weights
 _MARKERS = ("config.json", "adapter_config.json")
-# every file a save_pretrained of either kind (full model or peft adapter) writes: a save replaces all of them,
-# or a folder would hold both kinds and transformers would load the old adapter on top of a merged model
-_SAVE_FILE = re.compile(r"(config|generation_config|adapter_config)\.json"
-                        r"|(model|adapter_model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
 _SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # as huggingface_hub parses them
 
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, tokenizer: Any = None,
                     max_shard_size: int | str = "5GB", safe_serialization: bool = True,
-                    merge: bool = False) -> Path:
+                    merge: bool = False, overwrite: bool = False) -> Path:
     """Save ``model`` in Hugging Face format into ``save_directory``. Collective: call on every rank.
 
     ``model`` is what ``auto_accelerate`` returned (``res.model``) or any module it wraps: plain, DDP, FSDP2
@@ -70,9 +67,14 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, tokeniz
     Writing is atomic for a reader: files are written into a staging directory next to ``save_directory``
     and moved in; a new directory appears at once (rename), and in an existing one ``config.json`` /
     ``adapter_config.json`` are removed first and put back last, so an interrupted save never leaves a
-    directory ``from_pretrained`` would load. Weight files of an earlier save there that this one does not
-    replace (e.g. shards of a larger ``max_shard_size``) are deleted; other files are kept (an existing
-    ``README.md`` is not overwritten).
+    directory ``from_pretrained`` would load.
+
+    An existing folder may hold an earlier save of the same model (a full model of the same ``model_type`` and
+    class, or a peft adapter of the same ``peft_type`` and base model): its weight files that this save does
+    not rewrite (e.g. shards of a smaller ``max_shard_size``) are deleted, so old and new weights never mix.
+    A folder holding another model (another ``model_type`` or class, another adapter, a full model where the
+    adapter goes or the reverse) is refused unless ``overwrite=True``. Files no Hugging Face or peft save
+    writes are never deleted (an existing ``README.md`` is not overwritten either).
 
     Args:
         model: the (wrapped) model, on every rank.
@@ -84,25 +86,33 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, tokeniz
         safe_serialization: must be True. Pickle-based ``pytorch_model.bin`` files are not written: loading
             one can run arbitrary code, and transformers 5 no longer writes them either.
         merge: for a ``PeftModel`` only: write the merged base model instead of the adapter.
+        overwrite: replace another model found in the folder: its config, generation config, weights, index,
+            adapter and tokenizer files are deleted (the rest of the folder stays). Not needed to re-save the
+            same model.
 
     Returns:
         ``Path(save_directory)`` on every rank.
 
     Raises:
         ValueError: ``safe_serialization=False``, a bad ``max_shard_size``, ``merge=True`` without a
-            ``PeftModel`` (every rank, before anything is gathered).
+            ``PeftModel``, a ``merge``/``overwrite`` that is not a bool (every rank, before anything is gathered).
         TypeError: ``model`` does not hold a Hugging Face model (no ``config``), or ``tokenizer`` has no
             ``save_pretrained`` (every rank, before anything is gathered).
         NotImplementedError: a ``PeftModel`` under pipeline parallelism.
-        CheckpointError: on every rank, if writing failed on rank 0, or the gathered names do not match the
-            plain model's (naming them), or two tied names hold different values.
+        CheckpointError: on every rank: ``save_directory`` holds another model and ``overwrite`` is False, or
+            is not a directory (before anything is gathered; naming what is there and ``overwrite=True``);
+            writing failed on rank 0; the gathered names do not match the plain model's (naming them); two
+            tied names hold different values.
     """
     dest = Path(save_directory)
-    _check_options(max_shard_size, safe_serialization, merge, tokenizer)
+    _check_options(max_shard_size, safe_serialization, merge, tokenizer, overwrite)
     src = _source(model)
     if merge and src.peft is None:
         raise ValueError("merge=True merges a peft adapter into its base model, but the model is not a "
                          f"peft.PeftModel ({src.cls.__name__}); drop merge=True")
+    plan = save_target.planned(src, merge)
+    # rank 0 looks (the folder may be on its disk only); every rank raises before the collective gathering
+    replacing = commit.broadcast_from_rank0(lambda: save_target.check(dest, plan, overwrite))
     sd = gather_full_state(model)  # rank 0 holds everything, the others {}
 
     def _write() -> str:
@@ -117,7 +127,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, tokeniz
             _write_into(staged, src, sd, max_shard_size, merge)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(staged))
-            _publish(staged, dest)
+            _publish(staged, dest, replacing)
         finally:
             shutil.rmtree(staged, ignore_errors=True)
         return str(dest)
@@ -175,7 +185,7 @@ def _source(model: nn.Module) -> _Source:
     return src
 
 
-def _check_options(max_shard_size: Any, safe_serialization: Any, merge: Any, tokenizer: Any) -> None:
+def _check_options(max_shard_size: Any, safe_serialization: Any, merge: Any, tokenizer: Any, overwrite: Any) -> None:
     if safe_serialization is not True:
         raise ValueError("safe_serialization=False (pickle-based pytorch_model.bin) is not supported: loading a "
                          "pickle can run arbitrary code, and transformers 5 writes only safetensors. Use the "
@@ -183,6 +193,8 @@ def _check_options(max_shard_size: Any, safe_serialization: Any, merge: Any, tok
     shard_size_bytes(max_shard_size)
     if not isinstance(merge, bool):
         raise ValueError(f"merge must be True or False, got {merge!r}")
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"overwrite must be True or False, got {overwrite!r}")
     if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
         raise TypeError(f"tokenizer must have save_pretrained(dir) (a transformers tokenizer or processor), got "
                         f"{type(tokenizer).__name__}; a tokenizers.Tokenizer can be wrapped in "
@@ -282,13 +294,13 @@ def _write_clean_copy(staged: Path, src: _Source, sd: dict[str, torch.Tensor], m
 
 
 # ------------------------------------------------------------------------------------------ publish
-def _publish(staged: Path, dest: Path) -> None:
+def _publish(staged: Path, dest: Path, replacing: set[Path]) -> None:
     """Move the staged files into ``dest`` so that no reader ever sees a directory that looks complete but is
-    not: a new ``dest`` is one rename; in an existing one the marker files (``config.json``,
-    ``adapter_config.json``, of either kind) go first and the new ones come back last. Every other file an
-    earlier ``save_pretrained`` of either kind wrote (weights, shards, indexes, configs) and the new save does
-    not rewrite goes too: a merged save over an adapter save must not leave the adapter that transformers
-    would load on top of it (and the reverse). Other files (a tokenizer, the user's) stay."""
+    not: a new ``dest`` is one rename; in an existing one, in each folder this save writes a model into, the
+    marker files (``config.json``, ``adapter_config.json``) go first and the new ones come back last. The
+    model files there that this save does not rewrite go too: stale shards of an earlier save of the same
+    model (:func:`torchloom.hf.save_target.check` refused any other), and in the folders of ``replacing``
+    (``overwrite=True``) the other model's files, its tokenizer's included. Other files stay."""
     files = sorted(p.relative_to(staged) for p in staged.rglob("*") if p.is_file())
     for f in files:
         os.chmod(staged / f, 0o644)  # a saved model is meant to be shared (safetensors writes 0600)
@@ -299,17 +311,19 @@ def _publish(staged: Path, dest: Path) -> None:
         commit.fsync_dir(dest.parent)
         return
     markers = [f for f in files if f.name in _MARKERS]
-    parents = {f.parent for f in files} | {Path(".")}
-    for parent in parents:
+    model_dirs = {f.parent for f in files if save_target.is_model_file(f.name)}
+    for parent in model_dirs:
         for m in _MARKERS:
             (dest / parent / m).unlink(missing_ok=True)
     commit.fsync_dir(dest)
     new = set(files)
-    for parent in parents:
+    for parent in model_dirs:
         if not (dest / parent).is_dir():
             continue
         for old in (dest / parent).iterdir():
-            if old.is_file() and _SAVE_FILE.fullmatch(old.name) and parent / old.name not in new:
+            stale = save_target.is_model_file(old.name) or (
+                parent in replacing and save_target.TOKENIZER_FILE.fullmatch(old.name))
+            if stale and old.is_file() and parent / old.name not in new:
                 old.unlink()
     # shards before their index, the markers last
     order = sorted((f for f in files if f.name not in _MARKERS), key=lambda f: f.name.endswith(".index.json"))
@@ -334,8 +348,8 @@ def route_save_pretrained(model: nn.Module) -> bool:
     method (it works, also called on rank 0 only).
 
     The routed method is collective like :func:`save_pretrained` (call it on every rank; ``is_main_process``
-    is ignored: rank 0 writes), takes ``max_shard_size`` and ``safe_serialization``, and raises TypeError,
-    before gathering anything, for ``state_dict=...`` or any other argument set to a non-default value
+    is ignored: rank 0 writes), takes ``max_shard_size``, ``safe_serialization`` and ``overwrite``, and raises
+    TypeError, before gathering anything, for ``state_dict=...`` or any other argument set to a non-default value
     (``push_to_hub``, ``variant``, ``selected_adapters``, ...).
     """
     from torch.distributed.tensor import DTensor
@@ -351,7 +365,7 @@ def route_save_pretrained(model: nn.Module) -> bool:
 
 def _routed_save_pretrained(module: nn.Module, save_directory: str | os.PathLike, *, is_main_process: bool = True,
                             state_dict: Any = None, max_shard_size: int | str = "5GB",
-                            safe_serialization: bool = True, **kwargs: Any) -> Path:
+                            safe_serialization: bool = True, overwrite: bool = False, **kwargs: Any) -> Path:
     del is_main_process  # rank 0 writes; every rank must call
     name = type(module).__name__
     given = sorted(k for k, v in kwargs.items() if k not in _HF_DEFAULTS or v != _HF_DEFAULTS[k])
@@ -360,7 +374,7 @@ def _routed_save_pretrained(module: nn.Module, save_directory: str | os.PathLike
     if given:
         raise TypeError(f"{name}.save_pretrained of a torchloom-sharded model goes through "
                         f"torchloom.hf.save_pretrained(model, dir, tokenizer=None, max_shard_size='5GB', "
-                        f"merge=False), which gathers the weights itself and does not take {given}; call "
-                        f"torchloom.hf.save_pretrained directly (on every rank)")
+                        f"merge=False, overwrite=False), which gathers the weights itself and does not take "
+                        f"{given}; call torchloom.hf.save_pretrained directly (on every rank)")
     return save_pretrained(module, save_directory, max_shard_size=max_shard_size,
-                           safe_serialization=safe_serialization)
+                           safe_serialization=safe_serialization, overwrite=overwrite)
