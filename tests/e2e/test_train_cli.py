@@ -15,8 +15,8 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
 REPO = Path(__file__).resolve().parents[2]
-TRAIN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "step_time_s", "peak_mem_bytes", "mfu", "peak_flops",
-                "peak_flops_source", "tokens_seen", "grad_norm", "world_size"}
+TRAIN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "step_time_s", "peak_mem_bytes", "mfu", "mfu_unreliable",
+                "peak_flops", "peak_flops_source", "tokens_seen", "grad_norm", "world_size"}
 
 
 def loom(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -53,7 +53,7 @@ def test_smoke_run(full_run):
         assert TRAIN_FIELDS <= set(r), TRAIN_FIELDS - set(r)
         assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["loss"] > 0 and r["lr"] > 0
         assert len(r["peak_mem_bytes"]) == 2 and all(b > 10 * 2**20 for b in r["peak_mem_bytes"])
-        assert 0 < r["mfu"] < 1, r["mfu"]
+        assert (r["mfu"] is None and r["mfu_unreliable"]) or 0 < r["mfu"] <= 1, r["mfu"]  # never above 1
         assert r["peak_flops"] > 1e9 and r["peak_flops_source"].startswith(("measured:", "table:"))
         assert r["world_size"] == 2 and r["tokens"] == 8 * 64
     assert train[-1]["tokens_seen"] == 20 * 8 * 64

@@ -61,7 +61,7 @@ def test_tp_pp_run_trains_and_exports_a_plain_model(tp_pp_run):
     evals = [r for r in records if r["type"] == "eval"]
     assert [r["step"] for r in train] == list(range(1, 21))
     assert all(r["world_size"] == 4 and len(r["peak_mem_bytes"]) == 4 and r["tokens_per_s"] > 0
-               and 0 < r["mfu"] < 1 for r in train)
+               and ((r["mfu"] is None and r["mfu_unreliable"]) or 0 < r["mfu"] <= 1) for r in train)
     assert train[-1]["loss"] < train[0]["loss"] - 0.5
     assert [e["step"] for e in evals] == [0, 10, 20]
     assert all(math.isfinite(e["eval_loss"]) for e in evals)

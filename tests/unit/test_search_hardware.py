@@ -37,19 +37,29 @@ def test_threads_per_rank_follows_omp_or_cores(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ cache
-def _fake_hw(ranks: int, fp=None, threads=None) -> Hardware:
+PROBE = 1e9  # the re-check probe's FLOP/s recorded in _fake_hw (and returned by `counted`'s probe)
+QUIET = {"method": "/proc/stat", "cores": 2, "ranks": 1, "threads_per_rank": 1, "cores_used": 1,
+         "other_busy_cores": 0.0, "stolen_fraction": 0.0, "threshold": 0.2, "under_load": False,
+         "loadavg_1m": 0.1, "wall_s": 1.0, "probe_flops": PROBE}
+
+
+def _fake_hw(ranks: int, fp=None, threads=None, load=None) -> Hardware:
+    load = dict(QUIET if load is None else load)
     return Hardware(name="local-cpu", device_type="cpu", memory_bytes=1e9, ranks_per_node=ranks,
                     matmul_flops={"float32": [(1e6, 1e9), (1e9, 2e9)]}, peak_flops={"float32": 2e9},
                     mem_bw=1e9, op_overhead_s=1e-6,
                     intra={k: {ranks: CollectiveFit([(4096.0, 1e-4), (1e6, 1e-3)])} for k in COLLECTIVES},
                     fingerprint=fp or calibrate.fingerprint(),
-                    threads_per_rank=threads or calibrate.threads_per_rank(ranks))
+                    threads_per_rank=threads or calibrate.threads_per_rank(ranks),
+                    load=load, provisional=bool(load.get("under_load")))
 
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Replace the spawning measurement by a counter returning a hand-built Hardware."""
+    """Replace the spawning measurement by a counter returning a hand-built Hardware, and the cached
+    calibration's re-check probe by the rate it recorded (the machine unchanged)."""
     calls = []
+    monkeypatch.setattr(calibrate, "_probe", lambda device, threads: PROBE)
 
     def fake(ranks, budget_s=0, **kw):
         calls.append(ranks)
@@ -200,11 +210,16 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
         assert (b0, b1) == (4 * KiB, 8 * MiB)
         assert 0 < t0 <= t1, (kind, t0, t1)  # non-decreasing by contract (suffix minimum); a noisy small one can tie
     assert hw.fingerprint == calibrate.fingerprint()
+    # the load it ran under is recorded (whatever it was: other tests share this machine)
+    assert hw.load["method"] in ("/proc/stat", "loadavg") and hw.load["probe_flops"] > 0
+    assert hw.load["ranks"] == ranks and hw.provisional == hw.load["under_load"]
 
 
 def test_real_calibration_on_two_gloo_ranks(tmp_path, monkeypatch):
     # without OMP_NUM_THREADS each of 2 ranks gets cores // 2 threads, as `loom run` gives them
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    # the re-check (test_calibration_load.py, injected probes) could rightly re-measure on a shared machine
+    monkeypatch.setattr(calibrate, "RECHECK_RATIO", float("inf"))
     hw = calibrate.local_hardware(2, cache_dir=tmp_path, budget_s=0.5, **QUICK)
     _check_measured(hw, 2)
     assert hw.threads_per_rank == calibrate.threads_per_rank(2) == max(1, len(os.sched_getaffinity(0)) // 2)
@@ -212,6 +227,7 @@ def test_real_calibration_on_two_gloo_ranks(tmp_path, monkeypatch):
 
 
 def _job_twice(cache_dir: str) -> tuple[dict, dict]:
+    calibrate.RECHECK_RATIO = float("inf")  # as in test_real_calibration_on_two_gloo_ranks (this process only)
     first = calibrate.job_hardware(cache_dir=cache_dir, budget_s=0.5, **QUICK)
 
     def refuse(*a, **k):
@@ -243,6 +259,7 @@ def test_loom_calibrate_prints_table_and_json(tmp_path, monkeypatch, counted):
     assert out.exit_code == 0 and codes == [0], out.output
     assert counted == [1, 2]
     assert "matmul GFLOP/s per rank" in out.output and "all_reduce" in out.output and "GB/s" in out.output
+    assert "load: other processes kept 0.00 of 2 cores busy" in out.output and "PROVISIONAL" not in out.output
     out = CliRunner().invoke(cli.main, ["calibrate", "--nproc", "2", "--cache-dir", str(tmp_path), "--json"])
     assert counted == [1, 2], "cached level measured again without --refresh"
     assert Hardware.from_dict(json.loads(out.output)[0]).ranks_per_node == 2

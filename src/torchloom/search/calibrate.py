@@ -11,8 +11,14 @@ Three ways in:
 
 Cache: ``<dir>/<fingerprint-hash>-w<ranks per node>[-n<nodes>].json`` with ``<dir>`` = ``cache_dir``, else
 ``$TORCHLOOM_CACHE_DIR/hardware``, else ``$TORCHLOOM_CACHE/hardware``, else ``~/.cache/torchloom/hardware``.
-A file that cannot be read, or that holds another machine's fingerprint, ranks per node or thread count, is
-ignored with a warning and re-measured. ``loom calibrate`` refreshes it. See ``docs/calibration.md``.
+A file that cannot be read, or that holds another machine's fingerprint, ranks per node or thread count, or
+no record of the machine's load, is ignored with a warning and re-measured. ``loom calibrate`` refreshes it.
+
+Load: every calibration records the load it ran under (:mod:`torchloom.search.load`); one taken under load
+is cached as ``provisional`` (never over a quiet one) and warned about. Before a cached calibration is
+trusted, a ~0.1 s matmul probe (:func:`recheck`) is compared with the same probe taken when it was measured:
+:data:`RECHECK_RATIO` times faster now means the cache was measured under load (re-measured); as much slower
+means the machine is loaded now (the cache is kept, with a warning). See ``docs/calibration.md``.
 """
 from __future__ import annotations
 
@@ -32,11 +38,13 @@ import torch.distributed as dist
 
 from ..elastic.launcher import usable_cores
 from ..errors import HardwareError
+from . import load as machine_load
 from . import microbench as mb
 from .hardware import COLLECTIVES, CollectiveFit, Hardware
 
 DEFAULT_BUDGET_S = 10.0  # measurement time; spawning the ranks adds 5-10 s on a loaded 2-core machine
 COMPUTE_SHARE = 0.3  # of the budget: matmul, memory, overhead; the rest goes to the collectives
+RECHECK_RATIO = 1.3  # re-check probe now vs when calibrated: faster by more -> the cache was taken under load
 
 
 # -------------------------------------------------------------------------------------------- fingerprint
@@ -135,6 +143,9 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
     ``budget_s`` (seconds) is split over the measurements; each still runs at least one timed call, so
     large messages on a slow backend can exceed it (the wall time is recorded in ``sources``).
 
+    The load the measurement ran under is recorded (``load``: :func:`torchloom.search.load.assess`, plus
+    ``probe_flops``, the re-check probe rank 0 runs alone first); under load the result is ``provisional``.
+
     Raises:
         HardwareError: no initialised process group, or a group size that does not divide into nodes.
     """
@@ -155,6 +166,11 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
     msizes = list(matmul_sizes or mb.MATMUL_SIZES[device.type])
     dtypes = _dtypes(device)
     gsizes = _divisors(local)
+
+    window = machine_load.LoadWindow()  # every rank: its own CPU time, and the host's, while measuring
+    # the re-check probe, rank 0 alone (the others wait): what a later recheck() compares with
+    probe = mb.solo_matmul_rate(device) if dist.get_rank() == members[0] else 0.0
+    timer.slowest(0.0)
 
     n_compute = len(dtypes) * len(msizes) + 2
     n_comm = len(COLLECTIVES) * len(sizes) * len(gsizes) + (2 if nodes > 1 else 0)
@@ -178,6 +194,12 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
     if nodes > 1:
         inter_bw, inter_lat = _measure_inter(timer, members, local, nodes, backend, sizes, t_comm)
 
+    rows: list[Any] = [None] * world
+    dist.all_gather_object(rows, window.finish(), group=group)
+    load = machine_load.assess(rows, torch.get_num_threads())
+    load.update(probe_flops=probe, probe=f"float32 {mb.PROBE_N.get(device.type, 1024)}^2 matmul, best of >= 3, "
+                f"rank 0 alone with {torch.get_num_threads()} thread(s)")
+
     peaks, peak_source = _peaks(device, matmul)
     hw = Hardware(
         name=f"local-{device.type}" if device.type == "cpu" else "local-" + _slug(torch.cuda.get_device_name()),
@@ -189,6 +211,7 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
         mem_bw=mem_bw, op_overhead_s=overhead, intra={k: v for k, v in intra.items() if v},
         inter_bw=inter_bw, inter_latency_s=inter_lat,
         fingerprint=fingerprint(backend), threads_per_rank=torch.get_num_threads(),
+        load=load, provisional=bool(load["under_load"]),
     )
     wall = time.perf_counter() - t_start
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -196,7 +219,7 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
     hw.sources = {"matmul_flops": how, "mem_bw": how, "op_overhead_s": how, "intra": how,
                   "peak_flops": peak_source or how + " (maximum measured rate per dtype)",
                   "memory_bytes": "torch.cuda device memory" if device.type == "cuda" else "MemTotal / ranks per node",
-                  "calibration_wall_s": f"{wall:.1f}"}
+                  "calibration_wall_s": f"{wall:.1f}", "load": machine_load.describe(load)}
     if nodes > 1:
         hw.sources["inter_bw"] = how + " (all-reduce across nodes, ring model fit)"
     box = [hw.to_dict()]
@@ -274,7 +297,53 @@ def load_cached(path: Path, fp: dict[str, Any], ranks_per_node: int, threads: in
         warnings.warn(f"calibration cache {path} was measured for another setup ({diff}); re-measuring.",
                       stacklevel=3)
         return None
+    if not hw.load.get("probe_flops"):
+        warnings.warn(f"calibration cache {path} records no machine load (written by an older torchloom): it may "
+                      "have been measured while other jobs ran; re-measuring.", stacklevel=3)
+        return None
     return hw
+
+
+def _probe(device: torch.device, threads: int) -> float:
+    """The re-check probe (:func:`microbench.solo_matmul_rate`) with ``threads`` intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return mb.solo_matmul_rate(device)
+    finally:
+        torch.set_num_threads(before)
+
+
+def recheck(hw: Hardware, path: Path, device: torch.device, threads: int) -> bool:
+    """Whether the cached ``hw`` still describes this machine: one ~0.1 s matmul probe now, with ``threads``
+    threads, compared with the probe recorded when ``hw`` was measured (``hw.load["probe_flops"]``).
+
+    - now faster by more than :data:`RECHECK_RATIO`: the cache was measured under load -> False (re-measure),
+      with a warning;
+    - now slower by as much: other processes are using the machine now -> True (the cache is kept), with a
+      warning that timings measured now are disturbed;
+    - otherwise True; a provisional (measured under load) cache is warned about.
+    """
+    then = float(hw.load.get("probe_flops") or 0.0)
+    now = _probe(device, threads)
+    rates = f"probe {now / 1e9:.1f} GFLOP/s now, {then / 1e9:.1f} when calibrated"
+    if now > RECHECK_RATIO * then:
+        warnings.warn(f"calibration cache {path} was measured under load: this machine is {now / then:.1f}x faster "
+                      f"now ({rates}); re-measuring.", stacklevel=3)
+        return False
+    if now * RECHECK_RATIO < then:
+        warnings.warn(f"this machine runs {then / now:.1f}x slower now than when {path} was calibrated ({rates}; "
+                      f"load average {machine_load._loadavg()}): other processes are using it. The calibration is "
+                      "kept, but timings measured now (trials, tokens/s, MFU) are disturbed.", stacklevel=3)
+    if hw.provisional:
+        warnings.warn(_provisional_note(hw, f"calibration cache {path}"), stacklevel=3)
+    return True
+
+
+def _provisional_note(hw: Hardware, what: str) -> str:
+    return (f"{what} is provisional: measured under load ({machine_load.describe(hw.load)}); its rates may read "
+            f"low, so predicted step times run long. It is re-measured once a probe shows the machine faster; "
+            f"to force it, on a quiet machine: loom calibrate --refresh --nproc {hw.ranks_per_node}")
 
 
 def _difference(have: dict, want: dict) -> str:
@@ -299,6 +368,26 @@ def save_cache(path: Path, hw: Hardware) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def store(path: Path, hw: Hardware) -> bool:
+    """Cache ``hw`` at ``path`` unless it is provisional and ``path`` holds a quiet calibration of the same
+    setup (that one is kept; a warning says so). A provisional ``hw`` that is cached is warned about.
+    Returns whether it was written."""
+    if hw.provisional:
+        try:
+            old = Hardware.from_dict(json.loads(path.read_text())) if path.exists() else None
+        except (OSError, ValueError, TypeError, KeyError):
+            old = None
+        same = old is not None and (old.fingerprint, old.ranks_per_node, old.num_nodes, old.threads_per_rank) == (
+            hw.fingerprint, hw.ranks_per_node, hw.num_nodes, hw.threads_per_rank)
+        if same and old.load.get("probe_flops") and not old.provisional:
+            warnings.warn(f"calibration measured under load ({machine_load.describe(hw.load)}) is not cached: "
+                          f"{path} holds a quiet one ({old.sources.get('matmul_flops', '')}), kept.", stacklevel=3)
+            return False
+        warnings.warn(_provisional_note(hw, f"calibration cached at {path}"), stacklevel=3)
+    save_cache(path, hw)
+    return True
 
 
 # --------------------------------------------------------------------------------------- entry points
@@ -328,8 +417,9 @@ def measure_standalone(ranks_per_node: int, budget_s: float = DEFAULT_BUDGET_S, 
 
 def local_hardware(ranks_per_node: int = 1, *, refresh: bool = False, cache_dir: str | os.PathLike | None = None,
                    budget_s: float = DEFAULT_BUDGET_S, **measure: Any) -> Hardware:
-    """This machine as a job of ``ranks_per_node`` local ranks would see it: the cached calibration, or a
-    fresh one (:func:`measure_standalone`, then cached). ``refresh`` re-measures. ``measure`` goes to
+    """This machine as a job of ``ranks_per_node`` local ranks would see it: the cached calibration when
+    :func:`recheck` trusts it, or a fresh one (:func:`measure_standalone`, then cached by :func:`store`:
+    a provisional one never replaces a quiet one). ``refresh`` re-measures. ``measure`` goes to
     :func:`measure_in_group` (``message_sizes``, ``matmul_sizes``: shorter sweeps for tests).
 
     Raises:
@@ -341,18 +431,22 @@ def local_hardware(ranks_per_node: int = 1, *, refresh: bool = False, cache_dir:
     path = cache_path(fp, ranks_per_node, 1, cache_dir)
     threads = threads_per_rank(ranks_per_node)
     hw = None if refresh else load_cached(path, fp, ranks_per_node, threads)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if hw is not None and not recheck(hw, path, device, threads):
+        hw = None
     if hw is None:
         hw = measure_standalone(ranks_per_node, budget_s, **measure)
         hw.sources["cache"] = str(path)
-        save_cache(path, hw)
+        store(path, hw)
     return hw
 
 
 def job_hardware(refresh: bool = False, *, cache_dir: str | os.PathLike | None = None,
                  budget_s: float = DEFAULT_BUDGET_S, **measure: Any) -> Hardware:
     """Inside a job (every rank must call): the cached calibration for this machine, backend, ranks per node
-    (``$LOCAL_WORLD_SIZE``) and threads, or :func:`measure_in_group` on the live group (``measure`` is passed
-    to it). Rank 0 decides and writes the cache; every rank returns the same :class:`Hardware`.
+    (``$LOCAL_WORLD_SIZE``) and threads when :func:`recheck` (rank 0 alone) trusts it, or
+    :func:`measure_in_group` on the live group (``measure`` is passed to it). Rank 0 decides and writes the
+    cache (:func:`store`); every rank returns the same :class:`Hardware`.
 
     Raises:
         HardwareError: no initialised process group.
@@ -369,6 +463,8 @@ def job_hardware(refresh: bool = False, *, cache_dir: str | os.PathLike | None =
         fp = fingerprint(backend)
         path = cache_path(fp, local, world // local, cache_dir)
         hw = None if refresh else load_cached(path, fp, local, torch.get_num_threads(), world // local)
+        if hw is not None and not recheck(hw, path, device or torch.device("cpu"), torch.get_num_threads()):
+            hw = None
         box = [hw.to_dict() if hw is not None else None]
     dist.broadcast_object_list(box, src=0, device=device)
     if box[0] is not None:
@@ -377,5 +473,5 @@ def job_hardware(refresh: bool = False, *, cache_dir: str | os.PathLike | None =
     path = cache_path(hw.fingerprint, local, world // local, cache_dir)
     hw.sources["cache"] = str(path)
     if dist.get_rank() == 0:
-        save_cache(path, hw)
+        store(path, hw)
     return hw

@@ -5,6 +5,7 @@ import json
 import sys
 
 from .hardware import Hardware
+from .load import describe
 
 
 def _size(n: float) -> str:
@@ -19,14 +20,19 @@ def _ms(t: float) -> str:
 
 
 def format_table(hw: Hardware) -> str:
-    """A readable summary of one calibration: matmul GFLOP/s per rank by GEMM size and dtype, memory
-    bandwidth, per-op overhead, and each collective's time by message size and group size with the
-    bandwidth (bytes / time) reached at the largest size."""
+    """A readable summary of one calibration: the machine load it was measured under (and whether that
+    makes it provisional), matmul GFLOP/s per rank by GEMM size and dtype, memory bandwidth, per-op
+    overhead, and each collective's time by message size and group size with the bandwidth (bytes / time)
+    reached at the largest size."""
     fp = hw.fingerprint
     lines = [f"{hw.name}: {fp.get('gpu') or fp.get('cpu')}, {fp.get('cores')} cores, torch {fp.get('torch')}, "
              f"{fp.get('backend')} -- {hw.ranks_per_node} rank(s) per node x {hw.threads_per_rank} thread(s)"
              + (f" x {hw.num_nodes} nodes" if hw.num_nodes > 1 else ""),
-             f"  {hw.sources.get('matmul_flops', '')}; cache {hw.sources.get('cache', '-')}"]
+             f"  {hw.sources.get('matmul_flops', '')}; cache {hw.sources.get('cache', '-')}",
+             f"  load: {describe(hw.load)}"
+             + (" -> PROVISIONAL: rates may read low; re-measured once the machine is measurably faster "
+                f"(or: loom calibrate --refresh --nproc {hw.ranks_per_node} on a quiet machine)"
+                if hw.provisional else "")]
     lines.append("  matmul GFLOP/s per rank (square GEMM n^3, all ranks at once):")
     for dt, pts in hw.matmul_flops.items():
         row = "  ".join(f"n={round((f / 2) ** (1 / 3))}: {r / 1e9:.1f}" for f, r in pts)

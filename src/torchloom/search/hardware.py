@@ -65,6 +65,10 @@ class Hardware:
         sources: where each value came from (datasheet URL or "measured <date>").
         threads_per_rank: intra-op threads each rank computed with when measured (0 = not applicable:
             a table entry for a GPU).
+        load: the machine load a calibration ran under (:func:`torchloom.search.load.assess`'s record, plus
+            ``probe_flops``: the re-check probe's FLOP/s then); empty for a table entry.
+        provisional: measured under load (``load["under_load"]``): the rates may read low, so a later quiet
+            re-check replaces it and it never replaces a quiet calibration in the cache.
     """
 
     name: str
@@ -82,6 +86,8 @@ class Hardware:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     threads_per_rank: int = 0
+    load: dict[str, Any] = field(default_factory=dict)
+    provisional: bool = False
 
     # -- queries used by the cost model -------------------------------------------------------------
     @property

@@ -24,6 +24,7 @@ MESSAGE_SIZES = {"cpu": (4 * KiB, 64 * KiB, MiB, 8 * MiB, 64 * MiB),
 MATMUL_SIZES = {"cpu": (64, 128, 256, 512, 1024), "cuda": (256, 1024, 2048, 4096, 8192)}
 STREAM_BYTES = {"cpu": 64 * MiB, "cuda": 1024 * MiB}  # per tensor: well beyond the last-level cache
 MAX_REPS = 200
+_clock = time.perf_counter  # every timing below reads this (tests script it)
 
 
 class Timer:
@@ -45,41 +46,74 @@ class Timer:
 
     def _run(self, fn: Callable[[], object], reps: int) -> float:
         self._sync()
-        t = time.perf_counter()
+        t = _clock()
         for _ in range(reps):
             fn()
         self._sync()
-        return time.perf_counter() - t
+        return _clock() - t
 
-    def per_call(self, fn: Callable[[], object], target_s: float, warmup: bool = True) -> float:
+    def per_call(self, fn: Callable[[], object], target_s: float, warmup: bool = True, samples: int = 2) -> float:
         """Seconds per call of ``fn`` with every rank calling it at once (the slowest rank's time).
 
         An untimed warm-up call (first-call allocation, lazy communicator set-up) unless ``warmup`` is False,
         one timed probe call that sizes the loop, then ``target_s`` worth of calls split into up to three
-        chunks; the fastest chunk wins (it is the least disturbed by other processes). When the probe alone
-        spends ``target_s``, one more call is timed and the faster of the two wins."""
+        chunks (at least ``samples - 1``); the fastest of the probe and the chunks wins (the least disturbed by
+        other processes: load only ever adds time). When the probe alone spends ``target_s``, ``samples - 1``
+        more single calls are timed: best of ``samples`` (at least 2)."""
         if warmup:
             fn()
         probe = self.slowest(self._run(fn, 1))
-        if probe >= target_s:  # one call spends the budget (large messages): one more, the faster of two wins
-            return min(probe, self.slowest(self._run(fn, 1)))
+        extra = max(1, samples - 1)
+        if probe >= target_s:  # one call spends the budget (large GEMMs, messages): best of `samples` calls
+            return min([probe] + [self.slowest(self._run(fn, 1)) for _ in range(extra)])
         reps = int(max(1, min(MAX_REPS, target_s / max(probe, 1e-9))))
-        chunks = min(3, reps)
-        per = reps // chunks
-        return min(self.slowest(self._run(fn, per)) / per for _ in range(chunks))
+        chunks = max(min(3, reps), extra)
+        per = max(1, reps // chunks)
+        return min([probe] + [self.slowest(self._run(fn, per)) / per for _ in range(chunks)])
 
 
 # ----------------------------------------------------------------------------------------------- compute
+MATMUL_SAMPLES = 3  # best of at least 3 timings per GEMM size: one disturbed timing does not set the rate
+
+
 def matmul_rates(timer: Timer, dtype: torch.dtype, sizes, target_s: float) -> list[tuple[float, float]]:
-    """``(gemm_flops, flop_per_s)`` per rank for square ``n x n @ n x n`` GEMMs (FLOPs = 2 n^3)."""
+    """``(gemm_flops, flop_per_s)`` per rank for square ``n x n @ n x n`` GEMMs (FLOPs = 2 n^3), each the
+    best of at least :data:`MATMUL_SAMPLES` timings."""
     out = []
     for n in sizes:
         a = torch.randn(n, n, device=timer.device).to(dtype)
         b = torch.randn(n, n, device=timer.device).to(dtype)
         c = torch.empty(n, n, device=timer.device, dtype=dtype)
         flops = 2.0 * n ** 3
-        out.append((flops, flops / timer.per_call(lambda: torch.mm(a, b, out=c), target_s)))
+        out.append((flops, flops / timer.per_call(lambda: torch.mm(a, b, out=c), target_s, samples=MATMUL_SAMPLES)))
     return out
+
+
+PROBE_N = {"cpu": 512, "cuda": 4096}  # the re-check probe's GEMM: ~10 ms on a CPU core, ~0.2 ms on a GPU
+
+
+def solo_matmul_rate(device: torch.device, dtype: torch.dtype = torch.float32, n: int | None = None,
+                     seconds: float = 0.1, samples: int = 3, max_samples: int = 50) -> float:
+    """FLOP/s of ``n x n @ n x n`` (default :data:`PROBE_N`) in this process alone (no process group): one
+    untimed call, then single calls timed until ``seconds`` have passed and at least ``samples`` were timed
+    (at most ``max_samples``); the fastest wins (load only ever adds time). The train job's peak benchmark
+    and the cached calibration's re-check probe."""
+    n = int(n or PROBE_N.get(device.type, 1024))
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    torch.mm(a, b, out=c)
+    sync()
+    best, timed = float("inf"), 0
+    deadline = _clock() + seconds
+    while timed < max_samples and (timed < samples or _clock() < deadline):
+        t = _clock()
+        torch.mm(a, b, out=c)
+        sync()
+        best = min(best, _clock() - t)
+        timed += 1
+    return 2.0 * n ** 3 / max(best, 1e-12)
 
 
 def memory_bandwidth(timer: Timer, nbytes: int, target_s: float) -> float:

@@ -207,7 +207,7 @@ class Job:
 
         from .corpus import prepare_corpus
         from .dataset import TokenWindows
-        from .metrics import PeakMemory, matmul_params, peak_flops
+        from .metrics import MfuMeter, PeakMemory, job_peak_flops, matmul_params
 
         cfg = self.cfg
         if cfg.watchdog.timeout_s:
@@ -312,15 +312,11 @@ class Job:
             raise ConfigError(f"train.global_batch={t.global_batch} is larger than the {len(self.train_ds)} "
                               "training windows: nothing to train on.")
 
-        # peak FLOP/s: every rank measures at once (cores are shared), the job keeps the best
-        dtype = res.compute_dtype
-        gen_state = torch.random.get_rng_state()
-        pf, self.peak_flops_source = peak_flops(self.device, dtype)
-        torch.random.set_rng_state(gen_state)
-        pf_t = torch.tensor([pf], dtype=torch.float64)
-        dist.all_reduce(pf_t, op=dist.ReduceOp.MAX)
-        self.peak_flops = float(pf_t.item())
-        self.log(f"peak {self.peak_flops / 1e9:.1f} GFLOP/s per rank ({self.peak_flops_source})")
+        # peak FLOP/s: every rank measures at once (cores are shared), the job keeps the best, with the load
+        peak = job_peak_flops(self.device, res.compute_dtype)
+        self.peak_flops, self.peak_flops_source = peak.flops, peak.source
+        self.mfu = MfuMeter(peak)  # MFU never above 1; flagged when the peak is unreliable
+        self.log(peak.describe())
         self.mem = PeakMemory(self.device)
 
     # -- strategy: auto ------------------------------------------------------------------------------
@@ -587,7 +583,7 @@ class Job:
         accum = res.grad_accum_steps
         step, micro, loss_acc, aux_acc = start, 0, 0.0, 0.0
         run_expert_tokens = None  # [layers, E] summed over the data-parallel ranks and this run's steps
-        run_tokens, run_time, mfus, peaks = 0, 0.0, [], [0] * self.world
+        run_tokens, run_time, peaks = 0, 0.0, [0] * self.world
         last_saved = start
         self.pbar = Progress(total, start, enabled=self.rank == 0 and cfg.log.progress,
                              every=cfg.log.progress_every, stream=sys.stderr)  # a bar only on a terminal
@@ -626,8 +622,9 @@ class Job:
                         step_peaks = [int(v) for v in g[:, 1].tolist()]
                         peaks = [max(a, b) for a, b in zip(peaks, step_peaks)]
                         tok_s = self.tokens_per_step / dt
-                        mfu = self.flops_per_token * tok_s / (self.peak_flops * self.world)
-                        mfus.append(mfu)
+                        mfu = self.mfu.record(self.flops_per_token * tok_s / self.world)
+                        if self.mfu.note:
+                            self.log(self.mfu.take_note())
                         # train_step returns the dp-global token mean, equal on every rank: taken as is (no
                         # second average); the MoE path's cross-entropy (loss_func.take()) is per rank
                         step_loss = float(g[:, 0].mean()) if self.expert_load is not None else float(g[0, 0])
@@ -637,7 +634,7 @@ class Job:
                             "tokens": self.tokens_per_step, "tokens_seen": self.tokens_seen,
                             "tokens_per_s": tok_s, "step_time_s": dt,
                             "peak_mem_bytes": step_peaks, "peak_mem_source": self.mem.source,
-                            "mfu": mfu, "flops_per_token": self.flops_per_token,
+                            **mfu, "flops_per_token": self.flops_per_token,
                             "peak_flops": self.peak_flops, "peak_flops_source": self.peak_flops_source,
                             "world_size": self.world, "skipped": bool(ts.last_step_skipped),
                             "t": time.time(), "attempt": self.attempt,
@@ -682,7 +679,7 @@ class Job:
             self.pbar = None
         run = {"start_step": start, "end_step": step, "tokens": run_tokens, "time_s": run_time,
                "tokens_per_s": run_tokens / run_time if run_time else None,
-               "mfu": sum(mfus) / len(mfus) if mfus else None, "peak_mem_bytes": peaks, "writer": writer,
+               **self.mfu.summary(), "peak_mem_bytes": peaks, "writer": writer,
                "last_saved": last_saved, "expert_tokens": run_expert_tokens}
         return run
 
@@ -748,6 +745,7 @@ class Job:
             "resumed_from": run["start_step"] or None, "wall_time_s": time.perf_counter() - self.t_start,
             "train_time_s": self.train_time, "this_run": {k: run[k] for k in ("start_step", "tokens", "time_s")},
             "tokens_seen": self.tokens_seen, "tokens_per_s": run["tokens_per_s"], "mfu": run["mfu"],
+            "mfu_unreliable": run["mfu_unreliable"], "mfu_unreliable_reason": run["mfu_unreliable_reason"],
             "peak_mem_bytes": run["peak_mem_bytes"], "peak_flops": self.peak_flops,
             "peak_flops_source": self.peak_flops_source, "world_size": self.world, "strategy": self.strategy_used,
             "params": self.n_params, "tokens_per_step": self.tokens_per_step, "sample": sample,

@@ -11,15 +11,20 @@ MFU (model FLOPs utilisation, PaLM, Chowdhery et al. 2022, appendix B):
 in matmuls (all but the input embedding; for a Mixture-of-Experts model only the ``top_k`` experts a token
 is routed to, :func:`active_params`), and ``mfu = flops_per_token * tokens_per_s / (peak_flops *
 world_size)``. ``peak_flops`` is per rank: a short matmul benchmark on CPU (in the compute dtype, with the
-threads this process has, run on every rank at once so shared cores are accounted for) or the datasheet
-dense peak for known GPUs; ``peak_flops_source`` records which.
+threads this process has, run on every rank at once so shared cores are accounted for; best of >= 3 timings,
+the best rank kept) or the datasheet dense peak for known GPUs; ``peak_flops_source`` records which.
+:func:`job_peak_flops` also records the machine load the benchmark ran under, and :class:`MfuMeter` never
+reports an MFU above 1: a benchmark under load, or a step that achieves more than the peak (the peak read
+low), flags the records ``mfu_unreliable`` and an MFU that would exceed 1 is omitted (``null``).
 """
 from __future__ import annotations
 
 import re
-import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 # the JSON-lines writer is shared with the trackers (res.log, docs/hf.md); re-exported here for loom train
 from torchloom.tracking.jsonl import MetricsWriter, read_metrics  # noqa: F401
@@ -128,25 +133,14 @@ def flops_per_token(n_matmul_params: int, n_layers: int, hidden: int, seq_len: i
     return 6.0 * n_matmul_params + 12.0 * n_layers * hidden * seq_len
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int | None = None,
                          seconds: float = 0.3) -> float:
-    """Best observed ``n x n`` matmul rate (FLOP/s) over a short run on ``device``."""
-    a = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
-    b = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
-    sync = getattr(torch, device.type).synchronize if device.type != "cpu" else (lambda: None)
-    for _ in range(2):
-        a @ b
-    sync()
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        sync()
-        dt = time.perf_counter() - t
-        best = max(best, 4 * 2 * n**3 / dt)
-    return best
+    """Best observed ``n x n`` matmul rate (FLOP/s) on ``device``: single calls timed for ``seconds`` and at
+    least 3 times, the fastest wins (a timing disturbed by another process never sets the rate).
+    ``n``: 1024 on CPU, 4096 on a GPU (a smaller GEMM there measures the launch, not the math)."""
+    from torchloom.search.microbench import solo_matmul_rate
+
+    return solo_matmul_rate(device, dtype, n or (1024 if device.type == "cpu" else 4096), seconds, samples=3)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[float, str]:
@@ -159,3 +153,90 @@ def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> tupl
                 return table[dname], f"table:{name}:{dname}"
     flops = measure_matmul_flops(device, dtype)
     return flops, f"measured:{device.type}_matmul_{dname}_threads{torch.get_num_threads()}"
+
+
+@dataclass
+class PeakFlops:
+    """The per-rank peak MFU divides by: ``flops`` (FLOP/s), ``source`` (``"table:<gpu>:<dtype>"`` or
+    ``"measured:..."``) and, for a measured one, the machine ``load`` the benchmark ran under
+    (:func:`torchloom.search.load.assess`; empty for a datasheet peak)."""
+
+    flops: float
+    source: str
+    load: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def under_load(self) -> bool:
+        return bool(self.load.get("under_load"))
+
+    def describe(self) -> str:
+        """The job log's line: the peak, its source and, when measured, the load."""
+        from torchloom.search.load import describe
+
+        text = f"peak {self.flops / 1e9:.1f} GFLOP/s per rank ({self.source})"
+        if self.load:
+            text += f"; while measured, {describe(self.load)}"
+        if self.under_load:
+            text += ": the peak reads low, so MFU reads high; train records are flagged mfu_unreliable"
+        return text
+
+
+def job_peak_flops(device: torch.device, dtype: torch.dtype) -> PeakFlops:
+    """The job's peak, measured by every rank at once (cores are shared) and the best rank's kept, with the
+    load it ran under. Collective: every rank of the default group calls it. The global RNG is left as found
+    (the benchmark's random matrices must not shift the training's random stream)."""
+    from torchloom.search.load import LoadWindow, assess
+
+    window = LoadWindow()
+    state = torch.random.get_rng_state()
+    flops, source = peak_flops(device, dtype)
+    torch.random.set_rng_state(state)
+    best = torch.tensor([flops], dtype=torch.float64)
+    dist.all_reduce(best, op=dist.ReduceOp.MAX)
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, window.finish())
+    load = {} if source.startswith("table:") else assess(rows, torch.get_num_threads())
+    return PeakFlops(float(best.item()), source, load)
+
+
+class MfuMeter:
+    """MFU of the logged steps against one :class:`PeakFlops`, never above 1.
+
+    :meth:`record` takes the model FLOP/s one rank achieved (``flops_per_token * tokens_per_s / world``)
+    and returns the record's fields: ``mfu`` (achieved / peak; ``None`` where that exceeds 1) and
+    ``mfu_unreliable`` (the peak was measured under load, or some step achieved more than the peak: from
+    then on every record, since the peak is known to read low). :attr:`note` holds one line to log the
+    first time a step exceeds the peak (:meth:`take_note` clears it); :meth:`summary` gives the run's mean.
+    """
+
+    def __init__(self, peak: PeakFlops):
+        self.peak = peak
+        self.reason = "the peak was measured under load" if peak.under_load else ""
+        self.values: list[float] = []
+        self.note = ""
+        self.exceeded = False
+
+    def record(self, achieved_flops_per_rank: float) -> dict[str, Any]:
+        mfu = achieved_flops_per_rank / self.peak.flops if self.peak.flops > 0 else None
+        if mfu is not None and mfu > 1.0:
+            if not self.exceeded:
+                self.exceeded = True
+                self.reason = (f"a step achieved {achieved_flops_per_rank / 1e9:.1f} GFLOP/s of model FLOPs per rank, "
+                               f"above the peak {self.peak.flops / 1e9:.1f} ({self.peak.source})")
+                self.note = (f"MFU unreliable: {self.reason}: the peak was measured low (machine busy while it "
+                             "was measured?); MFU is omitted (null) where it would exceed 1 and every record "
+                             "from here on is flagged mfu_unreliable")
+            mfu = None
+        if mfu is not None:
+            self.values.append(mfu)
+        return {"mfu": mfu, "mfu_unreliable": bool(self.reason)}
+
+    def take_note(self) -> str:
+        note, self.note = self.note, ""
+        return note
+
+    def summary(self) -> dict[str, Any]:
+        """``mfu``: the mean of the reported values (None when none was, or when a step exceeded the peak:
+        the omitted steps would bias it), ``mfu_unreliable`` and ``mfu_unreliable_reason``."""
+        mean = sum(self.values) / len(self.values) if self.values and not self.exceeded else None
+        return {"mfu": mean, "mfu_unreliable": bool(self.reason), "mfu_unreliable_reason": self.reason}
