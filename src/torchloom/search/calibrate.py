@@ -333,7 +333,7 @@ def recheck(hw: Hardware, path: Path, device: torch.device, threads: int) -> boo
         return False
     if now * RECHECK_RATIO < then:
         warnings.warn(f"this machine runs {then / now:.1f}x slower now than when {path} was calibrated ({rates}; "
-                      f"load average {machine_load._loadavg()}): other processes are using it. The calibration is "
+                      f"load average {machine_load._loadavg() or '-'}): other processes are using it. The calibration is "
                       "kept, but timings measured now (trials, tokens/s, MFU) are disturbed.", stacklevel=3)
     if hw.provisional:
         warnings.warn(_provisional_note(hw, f"calibration cache {path}"), stacklevel=3)
