@@ -338,14 +338,16 @@ def _ask_config(kw: dict) -> tuple[str | None, dict]:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="override one config value, e.g. --set train.steps=100 (repeatable)")
 @click.option("--max-steps-this-run", type=int, default=None, metavar="K",
-              help="stop after K steps (simulates an interruption; re-run the same command to resume)")
+              help="stop after K steps and save a checkpoint (re-run the same command to resume; "
+                   "--set checkpoint.save_on_stop=false stops like a crash)")
 @click.option("--no-launch", is_flag=True, help="run the job in this process (no launcher; used by workers)")
 def train(config: str | None, output_dir: str | None, overrides: tuple[str, ...], max_steps_this_run: int | None,
           no_launch: bool, **kw) -> None:
     """Train the reference LLaMA-style model on Shakespeare.
 
     CONFIG is a YAML file or a packaged config name (default, smoke); without it the default config runs.
-    The job resumes from the newest complete checkpoint in the output dir.
+    The job resumes from the newest complete checkpoint in the output dir; an output dir holding a run of
+    another model (model sizes, MoE, vocabulary) is refused: pass another --output-dir.
 
     \b
     Examples:
@@ -374,6 +376,9 @@ def train(config: str | None, output_dir: str | None, overrides: tuple[str, ...]
 
         check_eval_plays(cfg.data.eval_plays)
         _check_fits(cfg, kw)
+        from .train.run_dir import check_output_dir
+
+        check_output_dir(cfg)  # a run of another model there: refused before anything is written
     except (ConfigError, TorchloomError) as e:
         click.echo(f"error: {e}", err=True)
         _exit(2)
@@ -593,7 +598,12 @@ def ckpt_verify(path: Path) -> None:
         return True
 
     if commit.is_checkpoint_dir(path):
-        sys.exit(0 if _line(path) else 1)
+        if _line(path):
+            sys.exit(0)
+        hint = commit.root_hint(path).strip()  # a usable checkpoint next to it: name its root
+        if hint:
+            click.echo(hint)
+        sys.exit(1)
     path = _ckpt_root(path)
     results = {p: _line(p) for _step, p in commit.list_checkpoints(path)}
     try:

@@ -110,7 +110,9 @@ def call_model(model: nn.Module, batch: Any, model_input_format: str | None) -> 
 
     Raises:
         TypeError: the batch's type does not fit the format (a mapping for "unpack_sequence", a non-mapping
-            for "unpack_dict").
+            for "unpack_dict"), or the batch does not bind to the model's ``forward`` (a key it has no parameter
+            for, a required one missing: the message names the batch keys, the parameters and the formats). A
+            TypeError raised inside ``forward`` propagates unchanged.
     """
     if model_input_format is None:
         return model(batch)
@@ -120,17 +122,67 @@ def call_model(model: nn.Module, batch: Any, model_input_format: str | None) -> 
                 f"model_input_format='unpack_sequence' calls model(*batch) and needs a list/tuple batch, got "
                 f"{type(batch).__name__}; use 'unpack_dict' for mapping batches or None to pass the batch as is."
             )
-        return model(*batch)
+        try:
+            return model(*batch)
+        except TypeError as e:
+            _raise_if_batch_does_not_fit(e, model, tuple(batch), {}, model_input_format)
+            raise
     if model_input_format == "unpack_dict":
         if not isinstance(batch, Mapping):
             raise TypeError(
                 f"model_input_format='unpack_dict' calls model(**batch) and needs a mapping batch, got "
                 f"{type(batch).__name__}; use 'unpack_sequence' for tuple batches or None to pass it as is."
             )
-        return model(**batch)
+        try:
+            return model(**batch)
+        except TypeError as e:
+            _raise_if_batch_does_not_fit(e, model, (), dict(batch), model_input_format)
+            raise
     raise ValueError(
         f"model_input_format={model_input_format!r} is not valid; use None, 'unpack_sequence' or 'unpack_dict'."
     )
+
+
+def _raise_if_batch_does_not_fit(error: TypeError, model: nn.Module, args: tuple, kwargs: dict,
+                                  model_input_format: str) -> None:
+    """After ``model(*args, **kwargs)`` raised ``error``: if the batch does not bind to the model's ``forward``
+    signature (a key it has no parameter for, a required one missing, too many items), raise a TypeError naming
+    the batch, the forward's parameters and the ``model_input_format`` options. Returns when the batch binds
+    (the TypeError came from inside forward: the caller re-raises it unchanged) or the signature is unknown."""
+    inner = model
+    while True:  # wrappers that pass the arguments on unchanged: DDP (.module), torch.compile (._orig_mod)
+        nxt = getattr(inner, "_orig_mod", None)
+        if nxt is None and isinstance(inner, DistributedDataParallel):
+            nxt = inner.module
+        if not isinstance(nxt, nn.Module):
+            break
+        inner = nxt
+    try:
+        sig = inspect.signature(inner.forward)
+    except (TypeError, ValueError):  # no signature to check against: leave the error as it is
+        return
+    try:
+        sig.bind(*args, **kwargs)
+        return
+    except TypeError as bind_error:
+        why = str(bind_error)
+    kinds = inspect.Parameter
+    params = [n for n, p in sig.parameters.items() if p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)]
+    extra = any(p.kind == kinds.VAR_KEYWORD for p in sig.parameters.values())
+    unexpected = [] if extra else [k for k in kwargs if k not in sig.parameters]
+    if model_input_format == "unpack_dict":
+        got = f"model(**batch) with the batch keys {list(kwargs)}"
+        fix = ("make the batch's keys the forward's parameter names (drop or rename the others in the dataset, the "
+               "collate_fn or prepare_input=), or use model_input_format='unpack_sequence' (model(*batch)) or None "
+               "(model(batch))")
+    else:
+        got = f"model(*batch) with {len(args)} batch items"
+        fix = ("make the batch's items the forward's positional parameters, or use model_input_format='unpack_dict' "
+               "(model(**batch), for mapping batches) or None (model(batch))")
+    raise TypeError(
+        f"model_input_format={model_input_format!r} calls {got}, but {type(inner).__name__}.forward takes "
+        f"{params}" + (" and **kwargs" if extra else "") + f": {why}"
+        + (f" (unexpected keys: {unexpected})" if unexpected else "") + f". Fix: {fix}.") from error
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

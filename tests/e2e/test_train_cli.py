@@ -1,8 +1,8 @@
 """`loom train` end to end on 2 gloo processes: metrics, evaluation, checkpoints, sample, and an exact resume.
 
 The smoke config (2-layer model, 20 steps, checkpoint every 10) runs three times: once uninterrupted,
-and once stopped after 13 steps (--max-steps-this-run) then re-run in the same output dir, which resumes
-from step 10 and must end with bitwise the same weights and losses as the uninterrupted run.
+and once stopped after 13 steps (--max-steps-this-run, which saves step 13) then re-run in the same output dir,
+which resumes from step 13 and must end with bitwise the same weights and losses as the uninterrupted run.
 """
 import json
 import os
@@ -89,13 +89,15 @@ def test_interrupted_run_resumes_exactly(tmp_path, full_run, cache):
 
     first = smoke(out, cache, "--max-steps-this-run", "13")
     assert first.returncode == 0, first.stdout[-4000:]
-    assert "stopped after step 13" in first.stdout
+    # a requested stop saves the step it reached and says so (not "step 0" or the older interval checkpoint)
+    assert (f"stopped after step 13 of 20 (--max-steps-this-run): checkpoint step 13 saved "
+            f"({out.resolve() / 'checkpoints' / 'step_00000013'}); re-run the same command") in first.stdout
     assert not (out / "summary.json").exists()
-    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000010"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000010", "step_00000013"]
 
     second = smoke(out, cache)
     assert second.returncode == 0, second.stdout[-4000:]
-    assert "resumed from step 10" in second.stdout
+    assert "resumed from step 13" in second.stdout
 
     a, b = read_jsonl(ref_out / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
     key = lambda r: (r["type"], r["step"], r.get("loss"), r.get("eval_loss"), r.get("lr"))  # noqa: E731
@@ -105,7 +107,7 @@ def test_interrupted_run_resumes_exactly(tmp_path, full_run, cache):
     for k in wa:
         assert (wa[k] == wb[k]).all(), k
     sa, sb = (json.loads((d / "summary.json").read_text()) for d in (ref_out, out))
-    assert sa["final_eval_loss"] == sb["final_eval_loss"] and sb["resumed_from"] == 10
+    assert sa["final_eval_loss"] == sb["final_eval_loss"] and sb["resumed_from"] == 13
     assert sa["tokens_seen"] == sb["tokens_seen"]
 
 

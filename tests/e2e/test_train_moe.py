@@ -4,7 +4,7 @@ one-process reference.
 The smoke config with ``model.moe.num_experts=4`` runs 6 steps three ways: the reference in one process
 (``--no-launch``: micro-batch 2 x 4 accumulation steps, the same micro-batches the two ranks run with 2
 accumulation steps each, so the same per-micro-batch aux losses), and on 2 processes with ``parallel.ep=2``
-stopped after 4 steps (checkpoint at 3) and re-run, which resumes from step 3. The ep=2 records must equal
+stopped after 4 steps (checkpoints at 3 and, the requested stop, 4) and re-run, which resumes from step 4. The ep=2 records must equal
 the reference's: loss and gradient norm per step within rel 1e-4 (fp32; measured agreement ~1e-7. An expert
 gradient scaled by ep or left unreduced changes the step-1 gradient norm by several percent, and the aux
 loss reaching the gradient zero or two times changes the loss by ~1e-3 within 6 AdamW steps), the aux loss
@@ -49,7 +49,7 @@ def test_moe_ep2_matches_one_process_and_resumes(tmp_path, cache):
     assert "expert_parallel" in first.stdout and "MixtralForCausalLM" in first.stdout
     resumed = loom(ep_dir, cache, "--nproc", "2", "--set", "parallel.ep=2")
     assert resumed.returncode == 0, resumed.stdout[-4000:]
-    assert "resumed from step 3" in resumed.stdout
+    assert "resumed from step 4" in resumed.stdout
 
     want, got = train_records(ref_dir), train_records(ep_dir)
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
@@ -64,7 +64,7 @@ def test_moe_ep2_matches_one_process_and_resumes(tmp_path, cache):
     assert got[-1]["loss"] < got[0]["loss"]
 
     summary = json.loads((ep_dir / "summary.json").read_text())
-    assert summary["resumed_from"] == 3 and summary["steps"] == 6
+    assert summary["resumed_from"] == 4 and summary["steps"] == 6
     assert summary["moe"]["ep"] == 2 and summary["moe"]["num_experts"] == 4
     assert summary["moe"]["active_params"] < summary["params"]
     ref_summary = json.loads((ref_dir / "summary.json").read_text())

@@ -1,8 +1,8 @@
 """`loom train` with tensor and pipeline parallelism: the smoke config on 4 gloo processes with
 ``parallel.tp=2, parallel.pp=2`` (data parallel 1), against the plain ddp job on 2 processes.
 
-Four launches (~2 min on 2 cores): the tp x pp run, an interrupted (``--max-steps-this-run 13``) and resumed
-tp x pp run that must end bitwise equal to it, and the ddp reference. The model init and the data order
+Four launches (~2 min on 2 cores): the tp x pp run, an interrupted (``--max-steps-this-run 13`` with
+``checkpoint.save_on_stop=false``, like a crash) and resumed tp x pp run that must end bitwise equal to it, and the ddp reference. The model init and the data order
 are seeded and the loss is a token-sum normalised over the global batch, so tp x pp and ddp train the same
 model on the same sequences; only the order of floating-point reductions differs (tp all-reduces partial
 matmul sums, the pipeline splits each micro-batch in two, ddp averages over 2 ranks).
@@ -111,9 +111,11 @@ def test_interrupted_tp_pp_run_resumes_exactly(tmp_path, tp_pp_run, cache):
     pipelined, tensor-parallel model and ends bitwise equal to the uninterrupted run."""
     full, proc = tp_pp_run
     assert proc.returncode == 0, proc.stdout[-4000:]
-    first = smoke(tmp_path, cache, *TP_PP, "--max-steps-this-run", "13")
+    first = smoke(tmp_path, cache, *TP_PP, "--max-steps-this-run", "13", "--set", "checkpoint.save_on_stop=false")
     assert first.returncode == 0, first.stdout[-4000:]
-    assert "stopped after step 13 of 20" in first.stdout and not (tmp_path / "model.safetensors").exists()
+    assert "stopped after step 13 of 20 (--max-steps-this-run) without saving it (checkpoint.save_on_stop: false): " \
+           "steps 11-13 are lost; a re-run of the same command resumes from the newest checkpoint, step 10" in first.stdout
+    assert not (tmp_path / "model.safetensors").exists()
     second = smoke(tmp_path, cache, *TP_PP)
     assert second.returncode == 0, second.stdout[-4000:]
     assert "resumed from step 10" in second.stdout

@@ -57,7 +57,7 @@ def test_resume_reuses_the_plan(runs):
     assert second.returncode == 0, second.stdout[-4000:]
     log = second.stdout
     assert "no new search" in log and "trial 1/" not in log, log[-3000:]
-    assert "resumed from step 3" in log, log[-3000:]
+    assert "resumed from step 4" in log, log[-3000:]  # --max-steps-this-run 4 saved step 4
     summary = json.loads((out / "summary.json").read_text())
     plan = json.loads((out / "strategy.json").read_text())
     assert summary["steps"] == 6 and summary["strategy"] == plan["methods"], (summary["strategy"], plan["methods"])

@@ -72,3 +72,35 @@ def test_verify_root_without_usable_checkpoint_fails(root):
         (root / f"step_{step:08d}" / "COMPLETE").unlink()
     out = verify(root)
     assert out.exit_code == 1 and f"no usable checkpoint under {root}" in out.output
+
+
+def test_torn_checkpoint_messages_fit_what_was_passed(root, caplog):
+    """Scanning a root names a torn checkpoint without telling the user to pass the root they passed; naming the
+    torn checkpoint itself points at its root only when that holds a complete one (issue [11] item 13)."""
+    from torchloom.checkpoint import load
+
+    torn = root / "step_00000003"
+    (torn / "COMPLETE").unlink()
+    out = verify(root)
+    assert out.exit_code == 0, out.output
+    assert (f"FAILED  step_00000003: checkpoint {torn} is incomplete: it has no COMPLETE marker (the save did not "
+            "finish, or this is not a torchloom checkpoint)") in out.output
+    assert "root instead" not in out.output and "pass the root" not in out.output, out.output
+    m = nn.Linear(4, 2)
+    with caplog.at_level("WARNING"):
+        assert load(root, model=m)["step"] == 2
+    assert "skipped 1 unusable" in caplog.text and "root instead" not in caplog.text
+
+    out = verify(torn)
+    assert out.exit_code == 1
+    assert (f"The newest complete checkpoint under {root} is step_00000002: pass the root {root} instead of one "
+            "checkpoint to load the newest usable one.") in out.output
+    with pytest.raises(CheckpointError, match=rf"is incomplete.*pass the root {root} instead"):
+        load(torn, model=m)
+    for step in (1, 2):
+        (root / f"step_{step:08d}" / "COMPLETE").unlink()
+    out = verify(torn)  # the root holds nothing usable either: no pointer to it
+    assert out.exit_code == 1 and "pass the root" not in out.output
+    with pytest.raises(CheckpointError) as e:
+        load(torn, model=m)
+    assert "root instead" not in str(e.value) and "pass the root" not in str(e.value)

@@ -226,8 +226,7 @@ def read_marker(ckpt_dir: str | os.PathLike) -> Marker:
     if not path.is_file():
         raise CorruptCheckpointError(
             f"checkpoint {ckpt_dir} is incomplete: it has no {MARKER} marker (the save did not finish, "
-            f"or this is not a torchloom checkpoint). Load the checkpoint root instead to get the newest "
-            f"complete checkpoint."
+            f"or this is not a torchloom checkpoint)"
         )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -347,6 +346,23 @@ def is_checkpoint_dir(path: str | os.PathLike) -> bool:
     )
 
 
+def root_hint(ckpt_dir: str | os.PathLike) -> str:
+    """For one checkpoint directory a caller named that is unusable: a sentence pointing at its root when the
+    root holds a complete checkpoint (``" The newest complete checkpoint under ROOT is step_N: pass ROOT ..."``),
+    else ``""`` (the root would not help). Local; for messages only."""
+    p = Path(ckpt_dir)
+    found = latest_complete(p.parent)
+    if found is None or found == p:
+        return ""
+    return (f" The newest complete checkpoint under {p.parent} is {found.name}: pass the root {p.parent} instead "
+            "of one checkpoint to load the newest usable one.")
+
+
+def _with_root_hint(e: CorruptCheckpointError, ckpt_dir: str | os.PathLike) -> CorruptCheckpointError:
+    hint = root_hint(ckpt_dir)
+    return CorruptCheckpointError(f"{e}{hint}") if hint else e
+
+
 def resolve(path_or_root: str | os.PathLike) -> Path:
     """A verified complete checkpoint: ``path_or_root`` itself if it is a checkpoint directory, else the
     newest complete checkpoint under it. Local (no collectives); see :func:`agree_on_checkpoint`.
@@ -358,7 +374,13 @@ def resolve(path_or_root: str | os.PathLike) -> Path:
     if not p.exists():
         raise CheckpointError(f"checkpoint path {p} does not exist")
     if is_checkpoint_dir(p):
-        verify(p)
+        try:
+            verify(p)
+        except CorruptCheckpointError as e:
+            hinted = _with_root_hint(e, p)
+            if hinted is e:
+                raise
+            raise hinted from e
         return p
     found = latest_complete(p)
     if found is None:
@@ -624,8 +646,14 @@ def select(path_or_root: str | os.PathLike, usable: Callable[[Path], Any], *,
         return [str(q) for _s, q in reversed(list_checkpoints(p))], False
 
     cands, single = broadcast_from_rank0(_candidates) if collective else _candidates()
-    if single:
-        return Path(cands[0]), usable(Path(cands[0]))
+    if single:  # the caller named this checkpoint: its problems are raised, with its root when that would help
+        try:
+            return Path(cands[0]), usable(Path(cands[0]))
+        except CorruptCheckpointError as e:
+            hinted = _with_root_hint(e, cands[0])
+            if hinted is e:
+                raise
+            raise hinted from e
     skipped: list[str] = []
     for c in map(Path, cands):
         try:

@@ -224,11 +224,24 @@ class FSDP(Method):
         mode = "ZeRO-3" if c.reshard_after_forward else "ZeRO-2"
         hsdp = f"HSDP {ctx.mesh.dims.dp_replicate}x{ctx.mesh.dims.dp_shard}" if ctx.mesh.dims.dp_replicate > 1 \
             else f"dp_shard={ctx.mesh.dims.dp_shard}"
-        ctx.note(f"fsdp: {mode}, {hsdp}, {len(units)} block units of {ctx.block_classes}"
+        ctx.note(f"fsdp: {mode}, {hsdp}, {_units_note(len(units), ctx.block_classes)}"
                  + (", CPU offload" if c.cpu_offload else "") + (f", tied groups {shared}" if shared else "")
                  + (f", {norms_kept} BatchNorm-like units in fp32" if norms_kept else "")
                  + (f", {expert_units} experts units on edp={ctx.mesh.dims.edp} (gradients / dp={ctx.mesh.dims.dp})"
                     if expert_units else ""))
+
+
+def _units_note(n_units: int, block_classes: list[str]) -> str:
+    """What the FSDP note says was wrapped: ``"4 block units of ['Block']"``, or, with no block unit, that the
+    whole model is one unit and why (no repeated blocks found, or the blocks share weights with the root),
+    with the ``wrap_cls`` option that shards it per module."""
+    if n_units:
+        return f"{n_units} block units of {block_classes}"
+    why = ("no repeated blocks found (no nn.ModuleList of >= 2 modules of one class, no Hugging Face "
+           "_no_split_modules)" if not block_classes else
+           f"the {block_classes} blocks share parameters with modules outside them and stay in the root unit")
+    return (f"{why}: the whole model is one FSDP unit, gathered whole for every forward and backward; to shard "
+            "it per module, name the classes: {'fsdp': {'wrap_cls': ['MyBlock']}}")
 
 
 #: extra dispatched ops per FSDP unit per forward (pre/post hooks, copy-in/out, views), CPU eager

@@ -133,7 +133,10 @@ class CheckpointConfig:
     skipped and logged ("skip"). trainable_only: store only the parameters with requires_grad (and all
     buffers) plus their optimizer state; a resume loads them on top of the freshly built base model and
     checks that the base is the same (docs/checkpoint.md, "Trainable-only checkpoints"). The job's own
-    model trains every parameter, so its checkpoints keep their size; the key matters for frozen ones."""
+    model trains every parameter, so its checkpoints keep their size; the key matters for frozen ones.
+    save_on_stop: a run stopped early by request (``--max-steps-this-run``) checkpoints the step it reached, so a
+    re-run resumes there; false = stop like a crash (a re-run resumes from the newest earlier checkpoint and
+    redoes the steps after it; the job says which)."""
 
     interval: int = 100
     keep_last: int | None = 2
@@ -141,6 +144,7 @@ class CheckpointConfig:
     memory_interval: int = 0
     on_busy: str = "wait"
     trainable_only: bool = False
+    save_on_stop: bool = True
 
 
 @dataclass

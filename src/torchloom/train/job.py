@@ -3,7 +3,8 @@
 Run under the launcher (``loom train`` = ``loom run --nproc 2 -m torchloom.train.job ...``) or as one
 process (``loom train --no-launch``). Every process ends through
 :func:`torchloom.elastic.shutdown.clean_exit`: exit code 0 after a correct run, 1 with a traceback on an
-error, 2 for an invalid config. See ``docs/train.md``.
+error (a checkpoint that cannot be loaded or saved: 1 with a message, no traceback), 2 for an invalid config
+(or an output dir holding a run of another model). See ``docs/train.md``.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..errors import CheckpointError
 from .config import ConfigError, TrainConfig
 from .dataset import TokenWindows
 
@@ -157,6 +159,10 @@ class RecordingWindows(TokenWindows):
         return out
 
 
+class ResumeError(CheckpointError):
+    """``loom train`` could not resume from the checkpoints in its output dir (the message says what to do)."""
+
+
 SEARCHED_STRATEGY = "strategy.json"  # strategy: auto saves the chosen strategy here (output dir)
 
 
@@ -218,6 +224,7 @@ class Job:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.out = Path(cfg.output_dir).resolve()
         self.ckpt_root = self.out / "checkpoints"
+        self.check_output_dir()  # before anything is written there
         from torchloom.elastic.faults import FaultInjector, restart_attempt
 
         from .goodput import GoodputLog
@@ -318,6 +325,24 @@ class Job:
         self.mfu = MfuMeter(peak)  # MFU never above 1; flagged when the peak is unreliable
         self.log(peak.describe())
         self.mem = PeakMemory(self.device)
+
+    def check_output_dir(self) -> None:
+        """Refuse (every rank) an output dir holding a run of another model (:func:`.run_dir.check_output_dir`;
+        ``loom train`` checked it before launching, this covers ``--no-launch`` and elastic restarts).
+
+        Raises:
+            ConfigError: rank 0's refusal, on every rank."""
+        from .run_dir import check_output_dir
+
+        refusal = [None]
+        if self.rank == 0:
+            try:
+                check_output_dir(self.cfg)
+            except ConfigError as e:
+                refusal = [str(e)]
+        dist.broadcast_object_list(refusal, src=0)
+        if refusal[0] is not None:
+            raise ConfigError(refusal[0])
 
     # -- strategy: auto ------------------------------------------------------------------------------
     def plan_strategy(self, cfg: TrainConfig, make_model, signature: str | None = None):
@@ -465,7 +490,10 @@ class Job:
         return float(loader.reduce_metrics(total, count))
 
     # -- checkpoints ----------------------------------------------------------------------------------
-    def save(self, step: int, persist: bool = True) -> Path | None:
+    def save(self, step: int, persist: bool = True) -> bool:
+        """Checkpoint ``step`` (collective): a blocking save, or with ``checkpoint.blocking: false`` a flash save
+        (``persist=False``: an in-memory snapshot only). Returns False when a flash save was skipped (the saver
+        busy, ``checkpoint.on_busy: skip``), else True."""
         from torchloom import checkpoint
 
         res = self.res
@@ -479,7 +507,7 @@ class Job:
             what = "flash checkpoint" if persist else "in-memory snapshot"
             self.log(f"{what} step {step}: training blocked {stall:.2f} s"
                      + ("" if done else f" (skipped: the saver is busy, on_busy={self.cfg.checkpoint.on_busy})"))
-            return None
+            return bool(done)
         path = checkpoint.save(
             self.ckpt_root, step=step, model=res.model, optimizer=res.optimizer, lr_scheduler=res.lr_scheduler,
             dataloader=res.dataloader, train_step=res.train_step, keep_last=self.cfg.checkpoint.keep_last,
@@ -490,9 +518,33 @@ class Job:
         stall = time.perf_counter() - t
         self.goodput.event("save", attempt=self.attempt, step=step, stall_s=stall)
         self.log(f"checkpoint step {step} -> {path} ({stall:.1f} s)")
-        return path
+        return True
+
+    def save_now(self, step: int) -> None:
+        """Checkpoint ``step`` for sure (the end of a run, a requested stop): a flash save first waits for the
+        one in flight instead of being skipped (``on_busy: skip``), and is committed by ``finalize``."""
+        if self.flash is not None:
+            self.flash.wait()
+        self.save(step)
 
     def maybe_resume(self) -> int:
+        """Load the newest usable checkpoint of the output dir (collective) and return its step (0: none).
+
+        Raises:
+            ResumeError: a checkpoint could not be loaded into this run (the reason, the checkpoint root, and
+                what to do)."""
+        from torchloom.errors import CheckpointError
+
+        try:
+            return self._resume()
+        except CheckpointError as e:
+            raise ResumeError(
+                f"cannot resume from the checkpoints in {self.ckpt_root}: {e}\nThey were written by an earlier run "
+                f"of output dir {self.out}; this run cannot load them. `loom ckpt verify {self.out}` checks them. "
+                "If they hold another model or training state, train this config in another --output-dir; to "
+                f"start over in this one, delete {self.ckpt_root} (its checkpoints are lost).") from e
+
+    def _resume(self) -> int:
         from torchloom import checkpoint
 
         res = self.res
@@ -660,8 +712,8 @@ class Job:
                         writer.write({"type": "eval", "step": step, "eval_loss": self.last_eval_loss})
                         self.log(f"step {step}: held-out loss {self.last_eval_loss:.4f}")
                     if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < total:
-                        self.save(step)
-                        last_saved = step
+                        if self.save(step):
+                            last_saved = step
                     elif (self.flash is not None and cfg.checkpoint.memory_interval
                           and step % cfg.checkpoint.memory_interval == 0 and step < total):
                         self.save(step, persist=False)
@@ -717,15 +769,49 @@ class Job:
         index = self.out / "model.safetensors.index.json"
         return index if index.exists() else self.out / "model.safetensors"
 
+    def stop_early(self, run: dict[str, Any]) -> None:
+        """The end of a run stopped by ``--max-steps-this-run`` before ``train.steps`` (collective): checkpoint
+        the step reached (unless ``checkpoint.save_on_stop`` is false, or its interval save did already) and log
+        the step a re-run resumes from, read back from the checkpoint directory (none: step 0).
+
+        Raises:
+            CheckpointError: the save failed, naming the steps that are not saved."""
+        from torchloom.checkpoint import commit
+        from torchloom.errors import CheckpointError
+
+        cfg, step, total = self.cfg, run["end_step"], self.cfg.train.steps
+        stopped = f"stopped after step {step} of {total} (--max-steps-this-run)"
+        try:
+            if cfg.checkpoint.save_on_stop and run["last_saved"] < step:
+                self.save_now(step)
+            if self.flash is not None:
+                self.flash.finalize(unlink=False)  # commit the save in flight; keep the snapshots for a resume
+        except CheckpointError as e:
+            raise CheckpointError(f"{stopped}, but saving its checkpoint failed: {e}. The steps after the newest "
+                                  f"complete checkpoint in {self.ckpt_root} are not saved (`loom ckpt list "
+                                  f"{self.out}` shows it; none: a re-run starts from step 0).") from e
+        if self.rank != 0:
+            return
+        latest = commit.latest_complete(self.ckpt_root)
+        saved = commit.parse_step(latest) if latest is not None else 0
+        if saved == step:
+            self.log(f"{stopped}: checkpoint step {step} saved ({latest}); re-run the same command (same output "
+                     f"dir) to resume from step {step}")
+            return
+        why = "checkpoint.save_on_stop: false" if not cfg.checkpoint.save_on_stop else "its save did not happen"
+        where = f"the newest checkpoint, step {saved} ({latest})" if latest is not None else \
+            "step 0: no checkpoint was saved"
+        memory = (" (or from a newer in-memory snapshot, while this machine holds it)"
+                  if self.flash is not None and cfg.checkpoint.memory_interval else "")
+        self.log(f"{stopped} without saving it ({why}): steps {saved + 1}-{step} are lost; a re-run of the same "
+                 f"command resumes from {where}{memory} and trains them again")
+
     def finish(self, run: dict[str, Any]) -> dict[str, Any] | None:
         cfg, writer = self.cfg, run.pop("writer")
         step, total = run["end_step"], cfg.train.steps
         if step < total:
             writer.close()
-            if self.flash is not None:
-                self.flash.finalize(unlink=False)  # finish the save in flight; keep the snapshots for a resume
-            self.log(f"stopped after step {step} of {total} (--max-steps-this-run); re-run with the same "
-                     f"output dir to resume from the latest checkpoint (step {run['last_saved']})")
+            self.stop_early(run)
             return None
         final = self.evaluate()
         if step > run["start_step"]:  # a re-run of a finished job trains nothing and logs nothing new
@@ -733,7 +819,7 @@ class Job:
         writer.close()
         self.last_eval_loss = final
         if run["last_saved"] < step or not (self.ckpt_root / f"step_{step:08d}").exists():
-            self.save(step)
+            self.save_now(step)
         if self.flash is not None:
             self.flash.finalize()  # the final checkpoint is committed before the job ends
         weights = self.export()
@@ -827,14 +913,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config value, e.g. train.steps=100 (repeatable)")
     p.add_argument("--max-steps-this-run", type=int, default=None, metavar="K",
-                   help="stop after K optimizer steps (simulates an interruption; re-run to resume)")
+                   help="stop after K optimizer steps and save a checkpoint (re-run to resume; "
+                        "checkpoint.save_on_stop=false stops like a crash)")
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse ``argv``, run the job, and leave through ``clean_exit`` (never returns)."""
+    """Parse ``argv``, run the job, and leave through ``clean_exit`` with :func:`run_job`'s code (never returns)."""
     from torchloom.elastic.shutdown import clean_exit
 
+    clean_exit(run_job(argv))
+
+
+def run_job(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, run the job and return its exit code: 0 done or stopped by request, 2 invalid config (the
+    message on rank 0's stderr), 1 a checkpoint error (the message on each failing rank's stderr, no
+    traceback) or any other failure (with its traceback), 130 interrupted."""
     args = parser().parse_args(argv)
     code = 0
     try:
@@ -846,13 +940,17 @@ def main(argv: list[str] | None = None) -> None:
         if rank == "0":
             print(f"{_PREFIX} error: {e}", file=sys.stderr, flush=True)
         code = 2
+    except CheckpointError as e:  # a named problem with a named fix: no traceback (every failing rank says it)
+        rank = os.environ.get("RANK", "0")
+        print(f"{_PREFIX} error{'' if rank == '0' else f' (rank {rank})'}: {e}", file=sys.stderr, flush=True)
+        code = 1
     except KeyboardInterrupt:
         code = 130
     except BaseException:  # noqa: BLE001 - any failure: traceback and a non-zero exit code
         print(f"{_PREFIX} rank {os.environ.get('RANK', '0')} failed:", file=sys.stderr)
         traceback.print_exc()
         code = 1
-    clean_exit(code)
+    return code
 
 
 if __name__ == "__main__":
