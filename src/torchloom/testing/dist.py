@@ -4,6 +4,12 @@ Why not ``torch.multiprocessing.spawn``: a rank that used FSDP on gloo can abort
 this torch build (``terminate called without an active exception``). Each rank here ends with
 :func:`torchloom.elastic.shutdown.clean_exit`, which destroys the process group, flushes and leaves with
 ``os._exit`` so a correct run always exits 0, and results travel back through files, not pipes.
+
+Ranks start from a forkserver that has imported torch, torchloom and (when installed) transformers once
+(:data:`PRELOAD`): a spawned rank re-imports them, 3-5 s of CPU each on a small machine, which dominated the
+test suite. A rank still sees the caller's environment, working directory and ``sys.path`` as of the launch,
+as a spawned one would (the environment is re-applied in the rank; ``multiprocessing`` carries the other two).
+``start_method="spawn"`` (or ``TORCHLOOM_START_METHOD=spawn``) gives fresh interpreters.
 """
 from __future__ import annotations
 
@@ -26,7 +32,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, outdir, args, kwargs, env):
+# Imported once by the forkserver, inherited by every rank it forks. Importing them starts no thread (with
+# OMP_NUM_THREADS=1 or not: libgomp starts its pool at the first parallel region), so forking is safe.
+PRELOAD = ("torch", "torch.distributed", "torchloom", "torchloom.api", "transformers")
+_preloaded_contexts: set[int] = set()
+
+
+def _context(start_method: str | None):
+    """The multiprocessing context of ``start_method`` (None: ``$TORCHLOOM_START_METHOD``, else forkserver where
+    the platform has it, else spawn); a forkserver context preloads :data:`PRELOAD` (modules that are not
+    installed are skipped by ``multiprocessing``)."""
+    method = start_method or os.environ.get("TORCHLOOM_START_METHOD") or (
+        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    ctx = mp.get_context(method)
+    if method == "forkserver" and id(ctx) not in _preloaded_contexts:
+        ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server starts (the first launch)
+        _preloaded_contexts.add(id(ctx))
+    return ctx
+
+
+def _worker(fn, rank, world_size, port, outdir, args, kwargs, env, caller_env=None):
+    if caller_env is not None:  # a forked rank starts with the forkserver's environment: take the caller's
+        os.environ.clear()
+        os.environ.update(caller_env)
     os.environ.update(env)
     os.environ.update(
         {
@@ -98,17 +126,20 @@ class RankOutcome:
 
 
 def start_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict | None = None, *,
-                timeout: float = 300.0, env: dict[str, str] | None = None, start_method: str = "spawn",
+                timeout: float = 300.0, env: dict[str, str] | None = None, start_method: str | None = None,
                 grace_s: float = FAILURE_GRACE_S) -> list[RankOutcome]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (``start_method`` processes, each ending through
-    ``clean_exit``); return every rank's :class:`RankOutcome`. Never raises for a rank's failure. Ranks still
-    running at ``timeout`` seconds (all ranks together), or ``grace_s`` after another rank failed, are killed;
-    so are all of them when the caller is interrupted (KeyboardInterrupt is re-raised)."""
-    ctx = mp.get_context(start_method)
+    ``clean_exit``; None: a forkserver with torch and torchloom preloaded, see the module docstring); return
+    every rank's :class:`RankOutcome`. Never raises for a rank's failure. Ranks still running at ``timeout``
+    seconds (all ranks together), or ``grace_s`` after another rank failed, are killed; so are all of them
+    when the caller is interrupted (KeyboardInterrupt is re-raised)."""
+    ctx = _context(start_method)
+    caller_env = dict(os.environ) if ctx.get_start_method() == "forkserver" else None
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="loom_ranks_") as outdir:
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, port, outdir, args, kwargs or {}, env or {}))
+            ctx.Process(target=_worker, args=(fn, r, world_size, port, outdir, args, kwargs or {}, env or {},
+                                              caller_env))
             for r in range(world_size)
         ]
         try:
