@@ -41,7 +41,8 @@ class AccelerateResult:
         strategy: the validated :class:`Strategy` (with implied methods).
         mesh: the :class:`ParallelMesh` (degrees, groups, dp rank/size).
         train_step: ``train_step(batch) -> loss``; see :class:`torchloom.train_step.TrainStep`.
-        grad_accum_steps / micro_batch_size / global_batch_size: the derived batch arithmetic.
+        grad_accum_steps / micro_batch_size / global_batch_size: the derived batch arithmetic (changed together
+            by :meth:`set_global_batch_size`).
         loss_scaler: the fp16 dynamic loss scaler (amp fp16), else None.
         device: this rank's device (``cuda:LOCAL_RANK`` or CPU).
         compute_dtype: dtype of the matmuls (amp's or half's dtype, else fp32): what MFU should divide by.
@@ -80,6 +81,38 @@ class AccelerateResult:
 
         parts = getattr(self.model, "parts", None) or [self.model]
         return check_replicas(parts, self.mesh, self.device, raise_error=raise_error)
+
+    def set_global_batch_size(self, global_batch_size: int) -> int:
+        """Change the samples per optimizer step (over all data-parallel ranks) from the next step on, keeping
+        the micro-batch and the mesh: the accumulation becomes ``global_batch_size / (dp x micro_batch_size)``
+        in ``train_step``, the data loader (and its sampler's epoch length) and this result alike. Call it on
+        every rank at an optimizer-step boundary (before the first step, or right after a step), e.g. for a
+        batch-size ramp, or to keep a checkpoint's global batch on another number of ranks. Returns the new
+        ``grad_accum_steps``. Nothing is changed when it raises.
+
+        Raises:
+            DataError: not a positive multiple of ``dp x micro_batch_size`` (the message names sizes that are), no
+                micro-batch size known (no dataset and no batch sizes given), or a loader position the new
+                global batch does not fit (``ElasticDistributedSampler.set_global_batch_size``).
+            ValueError: called inside an accumulation window.
+        """
+        from .data.sampler import DataError
+
+        if self.micro_batch_size is None:
+            raise DataError("set_global_batch_size needs the micro-batch size: auto_accelerate was given no dataset "
+                            "and no dataloader_args batch sizes (give micro_batch_size or batch_size there).")
+        plan = plan_batches(global_batch_size, self.micro_batch_size, self.mesh.dp_size)
+        step = self.train_step
+        if step.micro_step % step.grad_accum_steps:
+            raise ValueError(
+                f"set_global_batch_size({global_batch_size}) inside an accumulation window: "
+                f"{step.micro_step % step.grad_accum_steps} of its {step.grad_accum_steps} micro-batches have run. "
+                "Call it before the first step or right after an optimizer step.")
+        if self.dataloader is not None:
+            self.dataloader.set_global_batch_size(plan.global_batch_size)
+        step.set_grad_accum_steps(plan.grad_accum_steps)
+        self.global_batch_size, self.grad_accum_steps = plan.global_batch_size, plan.grad_accum_steps
+        return plan.grad_accum_steps
 
     def forward_loss(self, batch: Any) -> torch.Tensor:
         """Loss of one batch without backward (for evaluation); runs the model as ``train_step`` does.

@@ -212,7 +212,10 @@ class TrainStep:
     issued asynchronously as soon as the loss is known (it overlaps the backward and the optimizer step;
     pipelined: the step) and waited before returning (on NCCL the wait is a stream dependency, not a host
     sync). ``loss_report="local"`` (constructor argument or attribute) returns this rank's own micro-batch
-    loss without communication; ``last_local_loss`` always holds it.
+    loss without communication; ``last_local_loss`` always holds it. ``last_loss_stat`` is the fp64
+    ``[numerator, denominator]`` the returned loss is the ratio of (summed over the dp ranks when the loss
+    is global): ``[summed loss, item count]`` for :class:`SumLoss`, ``[sum of the micro-batch means, number
+    of them]`` otherwise; summed over a window it gives the window's item-weighted (resp. plain) mean.
 
     Attributes after an optimizer step: ``last_grad_norm`` (fp32, global, before clipping, or None),
     ``last_step_skipped`` (fp16 overflow), ``optimizer_steps``; with :class:`torchloom.moe.MoE` layers
@@ -263,6 +266,8 @@ class TrainStep:
         self.last_grad_norm: torch.Tensor | None = None
         self.last_step_skipped = False
         self.last_local_loss: torch.Tensor | None = None  # this rank's micro-batch loss of the last call
+        self.last_loss_stat: torch.Tensor | None = None  # [numerator, denominator] of the last returned loss
+        self._report_stat: torch.Tensor | None = None
         self._count: float | torch.Tensor = 0.0  # items summed over the current accumulation window (SumLoss)
         self._sum_mode: bool | None = None
         self._pipeline = _pipeline_driver(model)  # drives the schedule when the model is pipelined
@@ -305,6 +310,7 @@ class TrainStep:
         """The loss to return (class docstring): this rank's, or the dp-global one once its all-reduce is done
         (on NCCL ``wait`` orders the current stream after it; no host sync)."""
         self.last_local_loss = local
+        self.last_loss_stat = self._report_stat  # reduced in place by the all-reduce waited below
         if reduced is None:
             return local
         stat, work = reduced
@@ -320,6 +326,8 @@ class TrainStep:
             output = call_model(self.model, batch, self.model_input_format)
             count_before = self._count
             loss, local, stat = self._loss(batch, output)
+            if report:
+                self._report_stat = stat
             reduced = self._start_report(stat) if report else None
             # the output (logits: micro-batch x seq x vocab) is not needed for backward: a plain loop's
             # `loss = model(x).loss` drops it here too; keeping it raised the peak by one logits tensor
@@ -406,15 +414,31 @@ class TrainStep:
         if self._pipeline is not None:
             with frozen_windows(self._moe):
                 return self._pipeline_eval(batch)
+        return self.eval_output(batch)[0]
+
+    def eval_output(self, batch: Any, with_loss: bool = True) -> tuple[torch.Tensor | None, Any]:
+        """``(loss, output)`` of one micro-batch without backward, from one forward (evaluation with
+        predictions; call under ``torch.no_grad()``): the loss as :meth:`eval_loss` gives it (None with
+        ``with_loss=False``, e.g. a batch without labels) and the model's output as it returned it (tensors of
+        a tensor-parallel model may be DTensors). Does not touch gradients or counters.
+
+        Raises:
+            NotImplementedError: a pipelined model (only its last stage holds the output).
+        """
+        if self._pipeline is not None:
+            raise NotImplementedError("eval_output of a pipelined model: only the last stage holds the output; "
+                                      "use eval_loss for the loss.")
         batch = self.prepare_input(batch, self.device)
         with contextlib.ExitStack() as stack, frozen_windows(self._moe):
             for make_context in self.step_contexts:
                 stack.enter_context(make_context())
             output = call_model(self.model, batch, self.model_input_format)
+            if not with_loss:
+                return None, output
             out = self.loss_func(batch, output) if self.loss_func is not None else _output_loss(output)
             if isinstance(out, SumLoss):
-                return _local(out.total.detach()).float() / max(float(out.count), 1.0)
-            return _local((out[0] if isinstance(out, (tuple, list)) else out).detach()).float()
+                return _local(out.total.detach()).float() / max(float(out.count), 1.0), output
+            return _local((out[0] if isinstance(out, (tuple, list)) else out).detach()).float(), output
 
     # ------------------------------------------------------------------------------------------------ pipeline
     def _pipeline_call(self, batch: Any) -> torch.Tensor:
@@ -457,6 +481,7 @@ class TrainStep:
         self._count = self._count + stats["count"]
         self.micro_step += 1
         stat = torch.tensor([stats["num"], stats["den"]], dtype=torch.float64, device=self._pipeline.device)
+        self._report_stat = stat
         reduced = self._start_report(stat)  # in flight during the optimizer step
         if sync:
             self.step()
@@ -619,6 +644,27 @@ class TrainStep:
             self.lr_scheduler.step()
         self.optimizer_steps += 1
         opt.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------------------------------------
+    def set_grad_accum_steps(self, grad_accum_steps: int) -> None:
+        """Micro-batches per optimizer step from now on (a batch-size change; normally through
+        :meth:`torchloom.AccelerateResult.set_global_batch_size`, which changes the loader along). ``micro_step``
+        is re-based to the windows done so far x the new value, so ``micro_step % grad_accum_steps`` stays the
+        position in the window (as :meth:`load_state_dict` does).
+
+        Raises:
+            ValueError: not a positive int, or called inside an accumulation window (its gradients were
+                accumulated for the old window size): call it right after an optimizer step.
+        """
+        if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be a positive int, got {grad_accum_steps!r}")
+        if self.micro_step % self.grad_accum_steps:
+            raise ValueError(
+                f"cannot change the accumulation inside a window: {self.micro_step % self.grad_accum_steps} of its "
+                f"{self.grad_accum_steps} micro-batches have run (their gradients are scaled for that window). "
+                "Change it right after an optimizer step.")
+        self.micro_step = self.micro_step // self.grad_accum_steps * grad_accum_steps
+        self.grad_accum_steps = grad_accum_steps
 
     # ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -15,13 +15,36 @@ STRATEGY = ["fsdp", "amp", "checkpoint"]  # amp is bf16 on CPU
 MICRO, ACCUM, STEPS, STOP, WARMUP, LR, WD = 2, 2, 6, 3, 2, 1e-2, 0.01
 
 
-def tiny_llama():
+# the world-size change: 2 ranks x micro 2 x accumulation 2 (global batch 8), fp32, no dropout, checkpoint at 4 of 8
+ELASTIC_STEPS, ELASTIC_SAVE = 8, 4
+
+
+def tiny_llama(dropout: float = 0.1):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1)  # RNG must resume too
+                      num_attention_heads=4, num_key_value_heads=2, attention_dropout=dropout)  # RNG must resume too
     return LlamaForCausalLM(cfg)
+
+
+class Regressor(torch.nn.Module):
+    """A plain module (no Hugging Face class): ``forward(x, labels) -> {"loss"}``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def forward(self, x, labels=None):
+        out = self.body(x).squeeze(-1)
+        return {"loss": ((out - labels) ** 2).mean(), "pred": out}
+
+
+def regression_samples(n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 4, generator=g)
+    return [{"x": row, "labels": row.sum()} for row in x]
 
 
 def samples(n: int, seed: int) -> list[dict]:
@@ -125,6 +148,15 @@ def trainer(out: str, callbacks=(), eval_set=None, **kw):
                             torchloom_checkpoint=tier)
 
 
+def elastic_trainer(out: str, **kw):
+    """fp32, no dropout, plain data parallel: runs on 2 ranks and on 1 agree up to the reduction order."""
+    from torchloom.hf import TorchloomTrainer
+
+    args = training_args(out, max_steps=ELASTIC_STEPS, save_steps=ELASTIC_SAVE, **kw)
+    return TorchloomTrainer(model=tiny_llama(dropout=0.0), args=args, train_dataset=samples(N_TRAIN, 1),
+                            torchloom_strategy=[])
+
+
 def losses(t) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in t.state.log_history if "loss" in h}
 
@@ -152,15 +184,14 @@ def plain_loop() -> tuple[list[float], dict]:
         model_input_format="unpack_dict", max_grad_norm=1.0, seed=0,
         lr_scheduler_cls=functools.partial(get_linear_schedule_with_warmup, num_warmup_steps=WARMUP,
                                            num_training_steps=STEPS))
-    logged, tr = [], torch.tensor(0.0)
+    logged, window = [], torch.zeros(2, dtype=torch.float64)
     while res.train_step.optimizer_steps < STEPS:
         for batch in res.dataloader:
-            tr += res.train_step(batch) / ACCUM
-            if res.train_step.micro_step % ACCUM == 0:  # the Trainer's logged loss: mean over ranks
-                parts = [torch.zeros_like(tr) for _ in range(dist.get_world_size())]
-                dist.all_gather(parts, tr)
-                logged.append(torch.stack(parts).mean().item())
-                tr -= tr
+            res.train_step(batch)
+            window += res.train_step.last_loss_stat  # [loss sum, tokens] of the micro-batch over both ranks
+            if res.train_step.micro_step % ACCUM == 0:  # the Trainer's logged loss: the window's token mean
+                logged.append((torch.tensor(0.0) + (window[0] / window[1]).float()).item())
+                window.zero_()
                 if res.train_step.optimizer_steps == STEPS:
                     break
     return logged, full_params(res.model)
@@ -198,12 +229,25 @@ def train_stop_resume(tmp: str) -> dict:
     # eval: every one of the 7 samples once (batch 1 per rank: the last step has a filler on rank 1)
     eval_set = samples(N_EVAL, 2)
     full.eval_dataset = eval_set
-    out["eval"] = full.evaluate()["eval_loss"]
+    seen = []
+
+    def metrics(pred):  # compute_metrics: the predictions of every sample once, in dataset order
+        seen.append((pred.predictions, pred.label_ids))
+        return {"samples": len(pred.label_ids)}
+
+    full.compute_metrics = metrics
+    got = full.evaluate()
+    out["eval"], out["eval_samples"] = got["eval_loss"], got.get("eval_samples")
     with torch.no_grad():
         res.model.eval()
-        ref = [res.forward_loss({k: v[None] for k, v in s.items()}).item() for s in eval_set]
+        ref = [res.train_step.eval_output({k: v[None] for k, v in s.items()}) for s in eval_set]
         res.model.train()
-    out["eval_ref"] = sum(ref) / len(ref)
+    out["eval_ref"] = sum(loss.item() for loss, _ in ref) / len(ref)
+    (preds, label_ids), = seen
+    out["eval_predictions"] = (preds.shape, torch.equal(torch.from_numpy(label_ids),
+                                                        torch.stack([s["labels"] for s in eval_set])),
+                               max(float((torch.from_numpy(preds[i]).float() - o.logits[0].float()).abs().max())
+                                   for i, (_, o) in enumerate(ref)))
     out["log_has_eval"] = any("eval_loss" in h for h in full.state.log_history)
     lap("evaluate")
 
@@ -239,6 +283,35 @@ def train_stop_resume(tmp: str) -> dict:
 
     out["plain_losses"], out["plain_params"] = plain_loop()
     lap("plain_loop")
+
+    # the world-size change (checked on 1 process by the test): uninterrupted 8 steps, checkpoint-4 kept
+    elastic = elastic_trainer(str(tmp / "elastic"))
+    elastic.train()
+    out["elastic_losses"], out["elastic_params"] = losses(elastic), full_params(elastic.torchloom.model)
+    out["elastic_batch"] = (elastic.torchloom.global_batch_size, elastic.torchloom.grad_accum_steps)
+    lap("elastic")
+
+    # a plain nn.Module under FSDP: save_model writes its gathered state dict as model.safetensors
+    from torchloom.hf import TorchloomTrainer
+
+    plain = TorchloomTrainer(model=Regressor(), args=training_args(str(tmp / "plain"), max_steps=2,
+                                                                  save_strategy="no", warmup_steps=0),
+                             train_dataset=regression_samples(16), torchloom_strategy=["fsdp"])
+    plain.train()
+    want = full_params(plain.torchloom.model)
+    plain.save_model(str(tmp / "plain_export"))
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file
+
+        sd = load_file(str(tmp / "plain_export" / "model.safetensors"))
+        out["plain_module_saved"] = (sorted(sd), sorted(want), all(torch.equal(sd[k], want[k]) for k in want),
+                                     (tmp / "plain_export" / "training_args.bin").is_file())
+    try:
+        TorchloomTrainer(model=Regressor(), args=training_args(str(tmp / "avg"), average_tokens_across_devices=False),
+                         train_dataset=regression_samples(16), torchloom_strategy=[])
+    except ValueError as e:
+        out["average_tokens_refused"] = str(e)
+    lap("plain_module")
 
     class Stream(torch.utils.data.IterableDataset):  # the whole stream on every rank: would train on duplicates
         def __iter__(self):

@@ -190,14 +190,22 @@ class StatefulDataLoader:
     def _iter_sampler(self) -> Iterator[Any]:
         c, s = self._cursor, self.sampler
         c.begin(exhausted=c.consumed >= s.epoch_length)
-        s._set_position(c.epoch, c.consumed)
-        it = self._iter_loader(c.epoch)
-        try:
-            for batch in it:
-                c.consumed += s.step_size  # count before handing out: a checkpoint now includes it
-                yield batch
-        finally:
-            del it  # drop prefetched batches / shut non-persistent workers down
+        while c.consumed < s.epoch_length:
+            # one DataLoader pass, again only if set_global_batch_size lengthened the epoch after the sampler
+            # (read ahead by the workers) had already ended
+            s._set_position(c.epoch, c.consumed)
+            it = self._iter_loader(c.epoch)
+            before = c.consumed
+            try:
+                for batch in it:
+                    if c.consumed >= s.epoch_length:
+                        break  # set_global_batch_size shortened the epoch: prefetched batches past its end
+                    c.consumed += s.step_size  # count before handing out: a checkpoint now includes it
+                    yield batch
+            finally:
+                del it  # drop prefetched batches / shut non-persistent workers down
+            if c.consumed == before:
+                break
         c.epoch, c.consumed = c.epoch + 1, 0
 
     def _iter_counted(self) -> Iterator[Any]:
@@ -242,6 +250,26 @@ class StatefulDataLoader:
             del it
         c.epoch, c.consumed = c.epoch + 1, 0
         self._dataset_state = None
+
+    def set_global_batch_size(self, global_batch_size: int) -> None:
+        """Change the samples per optimizer step over all data-parallel ranks; ``grad_accum_steps`` becomes
+        ``global_batch_size / (dp_size * micro_batch_size)``. Sampler mode: the sampler's epoch length follows
+        (:meth:`ElasticDistributedSampler.set_global_batch_size`, which also says where it may change); a pass
+        in progress continues with it. Batch-count mode: only the bookkeeping changes (the ranks agree on the
+        end of the data in chunks of the accumulation a pass started with). Call it at an optimizer-step
+        boundary: :meth:`torchloom.AccelerateResult.set_global_batch_size` changes ``train_step`` along.
+
+        Raises:
+            DataError: not a positive multiple of ``dp_size * micro_batch_size`` (naming the sizes that are),
+                or (sampler mode) a position or ``drop_last`` the new size does not fit.
+        """
+        if self.sampler is not None:
+            self.sampler.set_global_batch_size(global_batch_size)
+            self.global_batch_size = self.sampler.global_batch_size
+        else:
+            self.global_batch_size = plan_batches(global_batch_size, self.micro_batch_size,
+                                                  self.dp_size).global_batch_size
+        self.grad_accum_steps = self.global_batch_size // (self.dp_size * self.micro_batch_size)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (JSON-serializable ints/str) describing the position after the last yield."""

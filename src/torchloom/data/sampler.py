@@ -138,25 +138,51 @@ class ElasticDistributedSampler(Sampler[int]):
         self.micro_batch_size = _positive_int("micro_batch_size", micro_batch_size)
         step = dp_size * micro_batch_size
         gbs = step if global_batch_size is None else _positive_int("global_batch_size", global_batch_size)
-        if gbs % step:
-            ok = _largest_mb(gbs, dp_size, micro_batch_size)
-            hint = f"a micro_batch_size of {ok}, or " if ok else ""
-            raise DataError(
-                f"global_batch_size={gbs} is not divisible by dp_size*micro_batch_size="
-                f"{dp_size}*{micro_batch_size}={step}; use {hint}a global_batch_size that is a "
-                f"multiple of {step}."
-            )
-        self.global_batch_size = gbs
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise DataError(f"seed must be an int, got {seed!r}.")
         self.seed, self.shuffle, self.drop_last = seed, bool(shuffle), bool(drop_last)
-        if self.drop_last and self.num_samples < gbs:
-            raise DataError(
-                f"drop_last=True with num_samples={num_samples} < global_batch_size={gbs} leaves an "
-                "empty epoch; use drop_last=False (pads by wrapping) or a smaller global batch."
-            )
+        self._check_global_batch(gbs)
+        self.global_batch_size = gbs
         self._cursor = _Cursor()
         self._padding_said = 0  # the repeated-sample count last warned about (PaddedEpochWarning)
+
+    def _check_global_batch(self, gbs: int) -> None:
+        step = self.step_size
+        if gbs % step:
+            ok = _largest_mb(gbs, self.dp_size, self.micro_batch_size)
+            hint = f"a micro_batch_size of {ok}, or " if ok else ""
+            raise DataError(
+                f"global_batch_size={gbs} is not divisible by dp_size*micro_batch_size="
+                f"{self.dp_size}*{self.micro_batch_size}={step}; use {hint}a global_batch_size that is a "
+                f"multiple of {step}."
+            )
+        if self.drop_last and self.num_samples < gbs:
+            raise DataError(
+                f"drop_last=True with num_samples={self.num_samples} < global_batch_size={gbs} leaves an "
+                "empty epoch; use drop_last=False (pads by wrapping) or a smaller global batch."
+            )
+
+    def set_global_batch_size(self, global_batch_size: int) -> None:
+        """Change the samples per optimizer step (the accumulation follows: ``grad_accum_steps``), keeping the
+        position. The epoch length becomes a multiple of the new global batch (``epoch_length``); the order is
+        unchanged (``global_order`` of a longer epoch extends the shorter one). A pass in progress continues
+        with the new length.
+
+        Raises:
+            DataError: ``global_batch_size`` is not a multiple of ``dp_size * micro_batch_size``, leaves an empty
+                epoch with ``drop_last``, or the epoch is under way at a position (``consumed``) that is not a
+                multiple of it: its optimizer steps would no longer end with the epoch. Change it at an epoch
+                start or where ``consumed`` is a multiple of the new global batch.
+        """
+        gbs = _positive_int("global_batch_size", global_batch_size)
+        self._check_global_batch(gbs)
+        consumed = self._cursor.consumed
+        if 0 < consumed < self.epoch_length and consumed % gbs:
+            raise DataError(
+                f"cannot change the global batch to {gbs} at this position: {consumed} samples of epoch "
+                f"{self._cursor.epoch} are consumed, not a multiple of {gbs}, so the epoch's optimizer steps would "
+                f"not end with it. Change it at an epoch start or after a multiple of {gbs} samples.")
+        self.global_batch_size = gbs
 
     # -- geometry -----------------------------------------------------------------------------
     @property
@@ -232,10 +258,14 @@ class ElasticDistributedSampler(Sampler[int]):
     def _generate(self, epoch: int, start: int) -> Iterator[int]:
         order = self.global_order(epoch)
         step, mb = self.step_size, self.micro_batch_size
-        for offset in range(start, self.epoch_length, step):
+        offset = start
+        while offset < self.epoch_length:  # read each time: set_global_batch_size may change it mid-pass
+            if len(order) < self.epoch_length:
+                order = self.global_order(epoch)  # a longer epoch: the same order, extended
             lo = offset + self.dp_rank * mb
             chunk = order[lo : lo + mb].tolist()
-            self._cursor.consumed = offset + step
+            offset += step
+            self._cursor.consumed = offset
             yield from chunk
 
     def remaining(self) -> int:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, speed_metrics
 
-from torchloom.hf.trainer_args import (FLASH_DIR, TORCHLOOM_CKPT_DIR, TRAINER_STATE_NAME, check_trainer_arguments,
+from torchloom.hf.trainer_args import (FLASH_DIR, TORCHLOOM_CKPT_DIR, TRAINER_STATE_NAME, check_trainer_arguments, log,
                                        newest_checkpoint, sampling_shuffle, stale_checkpoints)
 
 __all__ = ["TorchloomTrainer", "TORCHLOOM_CKPT_DIR", "newest_checkpoint"]
@@ -77,26 +77,35 @@ class TorchloomTrainer(Trainer):
       state (model, optimizer, scheduler, data position, RNG, train_step counters) and the Trainer's
       ``trainer_state.json``; ``train(resume_from_checkpoint=True | path)`` continues at exactly the next
       micro-batch. ``True`` picks the newest ``checkpoint-N`` that has a ``trainer_state.json`` and a committed
-      torchloom state (:func:`~torchloom.hf.trainer_args.newest_checkpoint`). ``save_total_limit`` keeps the
+      torchloom state (:func:`~torchloom.hf.trainer_args.newest_checkpoint`). A resume keeps the checkpoint's
+      global batch: on another number of data-parallel ranks (or another ``per_device_train_batch_size``)
+      ``gradient_accumulation_steps`` is re-derived, with a warning (ValueError before any step when the sizes
+      cannot make it). A ``PeftModel``'s checkpoints hold its trainable parameters only (the adapter; the frozen
+      base is checked by fingerprint on resume). ``save_total_limit`` keeps the
       newest and the best (``save_strategy="best"``) committed checkpoints, the flash tier's step directories
       with their ``checkpoint-N``. ``save_only_model=True`` writes ``save_model`` output instead (no resume, as
       in the Trainer).
     * ``save_model(dir)``: :func:`torchloom.hf.save_pretrained` (full weights gathered from any strategy,
-      ``from_pretrained``-loadable) plus ``training_args.bin``. Collective: call it on every rank.
-    * ``evaluate()``: the eval loss over every sample of ``eval_dataset`` exactly once
-      (:func:`torchloom.data.eval_loader`; the mean of the per-batch losses weighted by their sample count, as
-      the Trainer's ``eval_loss``). ``compute_metrics`` and ``predict`` are not supported (NotImplementedError).
+      ``from_pretrained``-loadable; a ``PeftModel``'s adapter), for any other module its state dict as
+      ``model.safetensors``, plus ``training_args.bin``. Collective: call it on every rank.
+    * ``evaluate()`` / ``predict()``: every sample of the set exactly once (:func:`torchloom.data.eval_loader`):
+      the loss (the mean of the per-batch losses weighted by their sample count, as the Trainer's
+      ``eval_loss``) and, for ``compute_metrics`` / ``predict``, the predictions and labels gathered in dataset
+      order (``gather_for_metrics``).
+    * Logged ``loss``: as the Trainer's: per optimizer step the window's loss over all its items (tokens for the
+      default causal-LM loss, its ``num_items_in_batch`` normalisation), averaged over the steps since the last log.
 
     Raises:
         ValueError: a TrainingArguments field that would make Accelerate/the Trainer do the strategy's job
             (deepspeed, fsdp, bf16/fp16, gradient checkpointing, torch_compile, ...: the message names the
             strategy method to use instead), ``optimizers=`` (the optimizer must be built after sharding; use
             ``optimizer_cls_and_kwargs=``), ``model_init=``, a bad ``torchloom_checkpoint``,
-            ``torchloom_args`` that the TrainingArguments own, or several processes that Accelerate does not see as
-            one job (CPU without ``use_cpu=True``).
+            ``torchloom_args`` that the TrainingArguments own, several processes that Accelerate does not see as
+            one job (CPU without ``use_cpu=True``), ``average_tokens_across_devices=False`` with dp > 1, and
+            the other TrainingArguments listed in docs/hf.md ("Refused").
         NotImplementedError: ``torchloom_strategy="auto"``, ``compute_loss_func``, an overridden ``compute_loss``,
-            an ``optim`` built from the model (factories, GaLore/LOMO), an ``IterableDataset`` with dp > 1, and
-            (at the call) ``predict``, ``compute_metrics`` in ``evaluate``, hyperparameter search.
+            an ``optim`` built from the model (factories, GaLore/LOMO), an ``IterableDataset`` with dp > 1,
+            ``compute_metrics`` under pipeline parallelism, and (at the call) hyperparameter search.
         RuntimeError: the strategy's batch arithmetic differs from the TrainingArguments' (e.g. a plan file with
             another micro-batch).
         ConfigFileError: ``torchloom_strategy=None`` and the ``loom config`` file is invalid or differs between
@@ -119,6 +128,9 @@ class TorchloomTrainer(Trainer):
         self._tl_rng = None  # the RNG state a resume restored, re-applied once the loader's iterator exists
         self._tl_hold_labels = False  # the default causal-LM loss: labels stay out of the model's forward
         self.torchloom_resumed_from = None  # after a resume: {"step", "path", "source": "disk" | "memory"}
+        self._tl_window = None  # [loss numerator, denominator] of the accumulation window (the logged loss)
+        # a PeftModel's checkpoints hold its trainable parameters only (the adapter), as the Trainer's do
+        self.torchloom_trainable_only = _is_peft_model(model)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._tl_check_distributed()
         self._tl_setup()
@@ -155,6 +167,7 @@ class TorchloomTrainer(Trainer):
             strategy = []  # plain data parallel; [] does not read the config file again
         dims = self._tl_planned_dims(model, strategy)
         dp = dims.dp_replicate * dims.dp_shard
+        self._tl_check_planned(dims, dp)
         optim_cls, optim_kwargs = (self.optimizer_cls_and_kwargs if self.optimizer_cls_and_kwargs is not None
                                    else self.get_optimizer_cls_and_kwargs(args, model))
         from transformers.trainer_optimizer import is_optimizer_factory
@@ -208,6 +221,8 @@ class TorchloomTrainer(Trainer):
                 dataloader_args["persistent_workers"] = args.dataloader_persistent_workers
                 if args.dataloader_prefetch_factor is not None:
                     dataloader_args["prefetch_factor"] = args.dataloader_prefetch_factor
+                if args.dataloader_multiprocessing_context is not None:
+                    dataloader_args["multiprocessing_context"] = args.dataloader_multiprocessing_context
         extra = {"model_input_format": "unpack_dict", **self.torchloom_args}
         loss_func = self._tl_loss_func()
         # the default causal-LM loss reads the labels itself: the model's forward would compute a second fp32
@@ -242,6 +257,20 @@ class TorchloomTrainer(Trainer):
         res.optimizer.register_step_pre_hook(self._tl_pre_optimizer_step)
         res.optimizer.register_step_post_hook(self._tl_post_optimizer_step)
         self.callback_handler.model, self.callback_handler.optimizer = self.model, self.optimizer
+
+    def _tl_check_planned(self, dims, dp: int) -> None:
+        """Refusals that need the mesh the strategy will have (still before anything is built)."""
+        if dp > 1 and not self.args.average_tokens_across_devices:
+            raise ValueError(
+                "TorchloomTrainer: TrainingArguments.average_tokens_across_devices=False is not supported with "
+                f"dp={dp}: torchloom normalises a token-summed loss (SumLoss, the default for causal LMs) by the "
+                "valid tokens of the whole global batch, i.e. across devices, as average_tokens_across_devices=True "
+                "(the default) does; a per-rank normalisation is not implemented. Remove "
+                "average_tokens_across_devices=False.")
+        if dims.pp > 1 and self.compute_metrics is not None:
+            raise NotImplementedError(
+                "TorchloomTrainer: compute_metrics under pipeline parallelism is not supported (only the last stage "
+                "holds the predictions); evaluate() gives the loss.")
 
     def _tl_loss_func(self) -> Callable | None:
         """``torchloom_loss_func``, else for a causal LM (labels shifted inside the model's loss) the token-exact
@@ -338,8 +367,82 @@ class TorchloomTrainer(Trainer):
                 raise ValueError(f"No valid checkpoint found in output directory ({out}): no "
                                  f"{PREFIX_CHECKPOINT_DIR}-N with a {TRAINER_STATE_NAME} and a committed torchloom "
                                  "state.")
+        if resume_from_checkpoint:
+            # before super().train: the Trainer plans its steps per epoch from the accumulation first thing
+            self._tl_hold_global_batch(str(resume_from_checkpoint))
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=None,
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+
+    def _tl_hold_global_batch(self, checkpoint: str) -> None:
+        """Resume with the global batch ``checkpoint`` was trained with: on another number of data-parallel ranks
+        (or another ``per_device_train_batch_size``) the accumulation is re-derived, ``global = micro x accumulation
+        x dp``, in torchloom (:meth:`~torchloom.AccelerateResult.set_global_batch_size`) and in
+        ``args.gradient_accumulation_steps``, with a warning. Collective (rank 0 reads the checkpoint).
+
+        Raises:
+            ValueError: the saved global batch is not divisible by ``per_device_train_batch_size x dp`` (naming the
+                values that work), before any step.
+        """
+        from torchloom.checkpoint import commit
+
+        saved = commit.broadcast_from_rank0(lambda: self._tl_saved_batch(checkpoint))
+        res = self.torchloom
+        if saved is None or res.dataloader is None or saved["global_batch_size"] == res.global_batch_size:
+            return
+        gbs, dp, micro = saved["global_batch_size"], res.mesh.dp_size, res.micro_batch_size
+        was = (f"{gbs} samples per optimizer step (gradient_accumulation_steps={saved['grad_accum_steps']} on "
+               f"{saved['world_size']} process(es))")
+        if gbs % (dp * micro):
+            fits = [m for m in range(1, gbs // dp + 1) if gbs % dp == 0 and (gbs // dp) % m == 0]
+            fix = (f"use per_device_train_batch_size {_either(fits)} (gradient_accumulation_steps is then derived: "
+                   f"{_either([gbs // (dp * m) for m in fits])})" if fits else
+                   f"use a number of data-parallel ranks that divides {gbs} "
+                   f"({_either([d for d in range(1, gbs + 1) if gbs % d == 0])})")
+            raise ValueError(
+                f"TorchloomTrainer: cannot resume from {checkpoint}: it was trained with a global batch of {was}, "
+                f"which per_device_train_batch_size={micro} x dp={dp} = {micro * dp} does not divide; a resume keeps "
+                f"the global batch (the optimisation would change otherwise). {fix[0].upper()}{fix[1:]}.")
+        before = self.args.gradient_accumulation_steps
+        accum = res.set_global_batch_size(gbs)
+        self.args.gradient_accumulation_steps = accum
+        if self.args.process_index == 0:
+            log.warning("gradient_accumulation_steps %d -> %d keeps the checkpoint's global batch of %d samples on "
+                        "dp=%d (per_device_train_batch_size=%d; %s was trained with %s)", before, accum, gbs, dp, micro,
+                        Path(checkpoint).name, was)
+
+    def _tl_saved_batch(self, checkpoint: str) -> dict | None:
+        """The batch arithmetic ``checkpoint``'s torchloom state was saved with (``global_batch_size``,
+        ``grad_accum_steps``, ``world_size``), from its trainer-state document in whichever tier holds the step:
+        ``checkpoint-N/torchloom/step_N``, ``<output_dir>/torchloom_flash/step_N`` or this node's flash slot. None
+        when there is none (the load then says what is missing)."""
+        from torchloom.checkpoint import commit
+        from torchloom.checkpoint import trainer_state as ts
+
+        try:
+            step = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME)).global_step
+        except (OSError, ValueError):
+            return None
+        name = commit.step_dirname(step)
+        doc = None
+        for d in (Path(checkpoint) / TORCHLOOM_CKPT_DIR / name, Path(self.args.output_dir) / FLASH_DIR / name):
+            if commit.is_complete(d):
+                doc = ts.read_document(d)
+                break
+        if doc is None and self.torchloom_checkpoint == "flash":
+            for slot in self._tl_checkpointer().slots:
+                header = slot.header()
+                if header is not None and int(header.get("step", -1)) == step:
+                    doc = ts.parse_document(header["trainer_state_text"], str(slot.header_path))
+                    break
+        if doc is None:
+            return None
+        data = doc.get("dataloader") or (doc.get("dataloader_per_rank") or [None])[0]
+        accum = int((doc.get("train_step") or {}).get("grad_accum_steps", 1))
+        if not data:
+            return None
+        gbs = (int(data["global_batch_size"]) if data.get("kind", "map") == "map"
+               else int(data["dp_size"]) * int(data["micro_batch_size"]) * accum)
+        return {"global_batch_size": gbs, "grad_accum_steps": accum, "world_size": int(doc.get("world_size", 1))}
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """The LR schedule for ``max_steps`` on torchloom's optimizer (stepped by ``train_step``), then the
@@ -349,6 +452,10 @@ class TorchloomTrainer(Trainer):
             self.lr_scheduler, self._created_lr_scheduler = None, False
         self.create_scheduler(num_training_steps=max_steps, optimizer=res.optimizer)
         res.lr_scheduler = res.train_step.lr_scheduler = self.lr_scheduler
+        from transformers.optimization import GreedyLR
+
+        if isinstance(self.lr_scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)):
+            res.train_step.lr_scheduler = None  # metric-driven: the Trainer steps it after each evaluation
         if resume_from_checkpoint is not None:
             self._tl_load(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
@@ -383,14 +490,27 @@ class TorchloomTrainer(Trainer):
             closes_window = (step_fn.micro_step + 1) % accum == 0
             if closes_window:
                 learning_rate = self._get_learning_rate()  # the LR this optimizer step uses
+            if step_fn.micro_step % accum == 0 or self._tl_window is None:
+                self._tl_window = torch.zeros(2, dtype=torch.float64, device=self._tr_loss.device)
             loss = step_fn(inputs)
+            stat = step_fn.last_loss_stat.to(self._tl_window.device)  # [loss sum or mean(s), tokens or count]
             if self.args.logging_nan_inf_filter and not torch.isfinite(loss):
                 self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+                self._tl_window[1] += stat[1]  # as the Trainer: its tokens still count in the window's divisor
             else:
-                self._tr_loss += loss.to(self._tr_loss.device) / accum  # the Trainer reports loss / accumulation
+                self._tl_window += stat
             self.current_flos += float(self.floating_point_ops(inputs))
             self._track_num_input_tokens(inputs)
+            args = self.args
+            if args.torch_empty_cache_steps is not None and self.state.global_step % args.torch_empty_cache_steps == 0:
+                from accelerate.utils.memory import clear_device_cache
+
+                clear_device_cache()
             if closes_window:
+                # what the Trainer logs: the window's loss over all its tokens (its num_items_in_batch
+                # normalisation; a plain mean over the micro-batches for a mean loss), the same on every rank
+                window, self._tl_window = self._tl_window, None
+                self._tr_loss += (window[0] / window[1].clamp(min=1.0)).to(self._tr_loss.dtype)
                 grad_norm = step_fn.last_grad_norm
                 self.state.global_step += 1
                 self.state.epoch = epoch + (step + 1) / steps_in_epoch
@@ -421,10 +541,12 @@ class TorchloomTrainer(Trainer):
         return self.torchloom.train_step(inputs).detach() / self.torchloom.grad_accum_steps
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The loss torchloom's ``train_step`` uses (``torchloom_loss_func`` or the output's ``loss``), without
-        backward. Collective under FSDP/TP/PP: call it on every rank."""
+        """The loss torchloom's ``train_step`` uses (``torchloom_loss_func`` or the output's ``loss``; for
+        :class:`~torchloom.SumLoss` the batch's mean per item), without backward; with ``return_outputs``
+        ``(loss, output)`` from the same forward (not under pipeline parallelism). Collective under FSDP/TP/PP:
+        call it on every rank."""
         if return_outputs:
-            raise NotImplementedError("TorchloomTrainer.compute_loss(return_outputs=True) is not supported.")
+            return self.torchloom.train_step.eval_output(inputs)
         return self.torchloom.forward_loss(inputs)
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -438,7 +560,8 @@ class TorchloomTrainer(Trainer):
             # best checkpoint the Trainer keeps keeps its state too
             self._tl_flash = FlashCheckpointer(
                 Path(self.args.output_dir) / FLASH_DIR, model=res.model, optimizer=res.optimizer,
-                lr_scheduler=res.lr_scheduler, dataloader=res.dataloader, train_step=res.train_step)
+                lr_scheduler=res.lr_scheduler, dataloader=res.dataloader, train_step=res.train_step,
+                trainable_only=self.torchloom_trainable_only)
         return self._tl_flash
 
     def _tl_memory_steps(self) -> list[int]:
@@ -477,7 +600,8 @@ class TorchloomTrainer(Trainer):
             self._tl_checkpointer().save(step, persist=True)
         else:
             save(Path(output_dir) / TORCHLOOM_CKPT_DIR, step=step, model=res.model, optimizer=res.optimizer,
-                 lr_scheduler=res.lr_scheduler, dataloader=res.dataloader, train_step=res.train_step)
+                 lr_scheduler=res.lr_scheduler, dataloader=res.dataloader, train_step=res.train_step,
+                 trainable_only=self.torchloom_trainable_only)
         best = self.state.best_global_step
         if best and os.path.exists(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")):
             # as the Trainer: the best checkpoint (save_strategy="best", metric_for_best_model) is kept by rotation
@@ -536,36 +660,89 @@ class TorchloomTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------------ export
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """:func:`torchloom.hf.save_pretrained` of the accelerated model (full weights, ``config.json``, the
-        tokenizer when ``processing_class`` is one) and ``training_args.bin``. Collective: every rank."""
-        from torchloom.hf import save_pretrained
+        """The trained model, full weights gathered from any strategy, as the Trainer saves it, plus
+        ``training_args.bin`` and the tokenizer/processor (``processing_class``, else the collator's tokenizer).
+        A Hugging Face model (``PreTrainedModel`` or ``PeftModel``): :func:`torchloom.hf.save_pretrained`
+        (``from_pretrained``-loadable; a PEFT model's adapter). Any other module: its state dict as
+        ``model.safetensors`` (:func:`torchloom.checkpoint.export_safetensors`; tied weights stored once and
+        restored by :func:`torchloom.checkpoint.load_safetensors`). Collective: every rank."""
+        from transformers import PreTrainedModel
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
-        save_pretrained(self.torchloom.model, output_dir, tokenizer=tokenizer)
+        tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else getattr(
+            self.data_collator, "tokenizer", None)
+        if isinstance(self.model, PreTrainedModel) or _is_peft_model(self.model):
+            from torchloom.hf import save_pretrained
+
+            save_pretrained(self.torchloom.model, output_dir, tokenizer=tokenizer)
+        else:  # as the Trainer for a plain module: "only saving its state dict"
+            from transformers.utils import SAFE_WEIGHTS_NAME
+
+            from torchloom.checkpoint import export_safetensors
+
+            export_safetensors(self.torchloom.model, Path(output_dir) / SAFE_WEIGHTS_NAME)
+            if self.args.should_save and hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(output_dir)
         if self.args.should_save:
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """``{prefix}_loss``: the mean loss over every sample of the evaluation set exactly once (each batch's
-        mean loss weighted by its real sample count, as the Trainer's ``eval_loss``), plus speed metrics.
-        Collective. Logged, and ``on_evaluate`` callbacks run.
+        mean loss weighted by its real sample count, as the Trainer's ``eval_loss``), the ``compute_metrics``
+        results (``{prefix}_<name>``) and speed metrics. Collective. Logged, and ``on_evaluate`` callbacks run.
+        A dict of sets is evaluated set by set (``{prefix}_{name}_...``), as by the Trainer.
+
+        ``compute_metrics`` (unless ``prediction_loss_only``) gets an ``EvalPrediction`` as the Trainer builds it:
+        ``predictions`` the model outputs but the loss and ``ignore_keys`` (default: the config's
+        ``keys_to_ignore_at_inference``), after ``preprocess_logits_for_metrics``, and ``label_ids`` the batch's
+        ``label_names``, every sample once in dataset order (gathered over the data-parallel ranks with
+        :meth:`torchloom.data.EvalLoader.gather_for_metrics`: no padding repeats), numpy arrays padded with -100
+        where batches differ in length.
 
         Raises:
-            NotImplementedError: ``compute_metrics`` is set, or several evaluation sets are given (a dict).
             ValueError: no evaluation dataset.
         """
-        from torchloom.data.eval import eval_loader
-
-        if self.compute_metrics is not None:
-            raise NotImplementedError("TorchloomTrainer.evaluate computes only the loss; compute_metrics is not "
-                                      "supported yet (use torchloom.data.eval_loader's gather_for_metrics).")
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        override = eval_dataset is not None
+        dataset = eval_dataset if override else self.eval_dataset
         if isinstance(dataset, dict):
-            raise NotImplementedError("TorchloomTrainer.evaluate takes one evaluation dataset, not a dict.")
+            metrics = {}
+            for name, one in dataset.items():
+                metrics.update(self.evaluate(one, ignore_keys=ignore_keys,
+                                             metric_key_prefix=f"{metric_key_prefix}_{name}"))
+            return metrics
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        gather = self.compute_metrics is not None and not self.args.prediction_loss_only
+        out = self._tl_eval_loop(dataset, metric_key_prefix, ignore_keys, gather)
+        self.log(out.metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, out.metrics)
+        return out.metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
+        """``PredictionOutput(predictions, label_ids, metrics)`` over every sample of ``test_dataset`` once, as
+        :meth:`evaluate` gathers them (``label_ids`` and the loss only when the set has labels; ``compute_metrics``
+        when set). Collective. ``on_predict`` callbacks run.
+
+        Raises:
+            NotImplementedError: a pipelined model (only its last stage holds the predictions).
+        """
+        from transformers.trainer_utils import PredictionOutput
+
+        out = self._tl_eval_loop(test_dataset, metric_key_prefix, ignore_keys, not self.args.prediction_loss_only)
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, out.metrics)
+        return PredictionOutput(predictions=out.predictions, label_ids=out.label_ids, metrics=out.metrics)
+
+    def _tl_eval_loop(self, dataset, prefix: str, ignore_keys, gather: bool):
+        """Every sample of ``dataset`` once (:func:`torchloom.data.eval_loader`): the loss weighted by real samples
+        and, with ``gather``, the predictions and labels of every rank in dataset order. Returns an
+        ``EvalLoopOutput``. Collective."""
+        import numpy as np
+        from transformers.trainer_pt_utils import EvalLoopContainer
+        from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
+
+        from torchloom.data.eval import eval_loader
+
         collate = self.data_collator
         try:
             import datasets
@@ -576,38 +753,62 @@ class TorchloomTrainer(Trainer):
         else:
             collate = self._get_collator_with_removed_columns(self.data_collator, description="evaluation")
         res = self.torchloom
+        if gather and res.train_step._pipeline is not None:
+            raise NotImplementedError("TorchloomTrainer: predictions under pipeline parallelism are not supported "
+                                      "(only the last stage holds them); evaluate() gives the loss.")
+        if ignore_keys is None:
+            config = getattr(self.model, "config", None)
+            ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", ["cache"])) if config is not None else []
         loader = eval_loader(dataset, self.args.per_device_eval_batch_size, mesh=res.mesh, collate_fn=collate,
                              num_workers=self.args.dataloader_num_workers)
         start = time.time()
         was_training = res.model.training
         res.model.eval()
-        total, count = torch.zeros((), dtype=torch.float64), 0
+        total, count, any_loss = torch.zeros((), dtype=torch.float64), 0, False
+        concat = self.args.eval_do_concat_batches
+        preds, labels = EvalLoopContainer(concat, padding_index=-100), EvalLoopContainer(concat, padding_index=-100)
         with torch.no_grad():
             for batch in loader:
                 # a rank with no real sample left still runs the (collective) forward on its filler batch
-                rows = loader.num_valid or loader.rows
-                loss = res.forward_loss(_take_rows(batch, rows))
-                if loader.num_valid:
+                rows = _take_rows(batch, loader.num_valid or loader.rows)
+                # as the Trainer's prediction_step: no loss for a batch without its label_names (a test set);
+                # without label_names (a module whose forward names none) the loss function decides
+                has_labels = all(_get(rows, k) is not None for k in self.label_names)
+                if gather:
+                    loss, output = res.train_step.eval_output(rows, with_loss=has_labels)
+                else:
+                    loss = res.forward_loss(rows) if has_labels else None
+                if loss is not None and loader.num_valid:
                     total += loss.double().cpu() * loader.num_valid
                     count += loader.num_valid
+                any_loss = any_loss or loss is not None
+                if gather:
+                    p, y = _predictions(output, ignore_keys), None
+                    if has_labels and self.label_names:
+                        y = tuple(_get(rows, k).to(res.device) for k in self.label_names)
+                        y = y[0] if len(y) == 1 else y
+                    if p is not None and self.preprocess_logits_for_metrics is not None:
+                        p = self.preprocess_logits_for_metrics(p, y)
+                    got = loader.gather_for_metrics({"p": p, "y": y} if y is not None else {"p": p}, pad_value=-100)
+                    for container, key in ((preds, "p"), (labels, "y")):
+                        if got.get(key) is not None:
+                            container.add(got[key])
+                    preds.to_cpu_and_numpy()
+                    labels.to_cpu_and_numpy()
+                self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         res.model.train(was_training)
-        mean = loader.reduce_metrics(total, count).item()
-        metrics = {f"{metric_key_prefix}_loss": mean}
+        metrics: dict[str, Any] = {}
+        all_preds, all_labels = preds.get_arrays(), labels.get_arrays()
+        if self.compute_metrics is not None and all_preds is not None and all_labels is not None:
+            metrics = denumpify_detensorize(self.compute_metrics(EvalPrediction(predictions=all_preds,
+                                                                                label_ids=all_labels)))
+        if any_loss:
+            metrics["loss"] = loader.reduce_metrics(total, count).item()
+        metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in metrics.items()}
         n = len(dataset)
         steps = math.ceil(n / (self.args.per_device_eval_batch_size * res.mesh.dp_size))
-        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=n, num_steps=steps))
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
-
-    def predict(self, *args, **kwargs):
-        """Not supported.
-
-        Raises:
-            NotImplementedError: always (use :func:`torchloom.data.eval_loader` with ``trainer.torchloom.model``).
-        """
-        raise NotImplementedError("TorchloomTrainer.predict is not supported; use torchloom.data.eval_loader with "
-                                  "trainer.torchloom.model and gather_for_metrics.")
+        metrics.update(speed_metrics(prefix, start, num_samples=n, num_steps=steps))
+        return EvalLoopOutput(predictions=all_preds, label_ids=all_labels, metrics=metrics, num_samples=n)
 
     def _finalize_training(self, trial, num_train_samples, start_time):
         out = super()._finalize_training(trial, num_train_samples, start_time)
@@ -663,10 +864,53 @@ def _holding_labels(prepare_input: Callable | None) -> Callable:
     return prepare_holding_labels
 
 
+def _either(values: list) -> str:
+    """``"1, 2, 4 or 8"``."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
 def _exportable(cb) -> bool:
     from transformers.trainer_callback import ExportableState
 
     return isinstance(cb, ExportableState)
+
+
+def _is_peft_model(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is optional
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _get(batch: Any, key: str) -> Any:
+    return batch.get(key) if hasattr(batch, "get") else None
+
+
+def _plain(t: Any) -> Any:
+    """A tensor of the output as one process holds it whole (a tensor-parallel DTensor gathered), detached."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+def _predictions(output: Any, ignore_keys: list[str]) -> Any:
+    """What the Trainer's ``prediction_step`` calls the logits: the output's tensors but the loss and
+    ``ignore_keys`` (a tuple, or the tensor when there is one), or None."""
+    if isinstance(output, torch.Tensor):
+        items = [output]
+    elif isinstance(output, Mapping) or hasattr(output, "items"):
+        items = [v for k, v in output.items() if k not in [*ignore_keys, "loss"]]
+    elif isinstance(output, (tuple, list)):
+        items = list(output[1:] if output and isinstance(output[0], torch.Tensor) and output[0].dim() == 0
+                     else output)
+    else:
+        items = []
+    items = [_plain(v) for v in items if isinstance(v, torch.Tensor)]
+    if not items:
+        return None
+    return items[0] if len(items) == 1 else tuple(items)
 
 
 def _take_rows(batch: Any, rows: int) -> Any:

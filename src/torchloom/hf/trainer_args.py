@@ -22,7 +22,8 @@ CHECKPOINT_TIERS = ("disk", "flash")
 TORCHLOOM_CKPT_DIR = "torchloom"  # checkpoint-N/torchloom/step_0000000N: the torchloom training state
 FLASH_DIR = "torchloom_flash"  # <output_dir>/torchloom_flash/step_0000000N: the flash tier's disk copies
 
-# TrainingArguments that would make Accelerate or the Trainer do what the strategy does: value -> advice
+# TrainingArguments the TorchloomTrainer cannot honour (mostly: Accelerate or the Trainer would do what the
+# strategy does), refused at construction: name -> advice
 _REFUSED_ARGS = {
     "deepspeed": "DeepSpeed would wrap the model again; use torchloom_strategy (e.g. ['fsdp'] for ZeRO-3).",
     "fsdp": "Accelerate's FSDP would wrap the model again; put 'fsdp' (or 'zero2', ...) in torchloom_strategy.",
@@ -42,6 +43,23 @@ _REFUSED_ARGS = {
     "enable_jit_checkpoint": "not supported with torchloom yet.",
     "ignore_data_skip": "torchloom's loader resumes at the exact next micro-batch without replaying any batch (there "
                         "is no skipping cost to avoid); remove it.",
+    "bf16_full_eval": "evaluation runs in the strategy's precision: add ('amp', {'dtype': 'bfloat16'}) (or 'half') to "
+                      "torchloom_strategy.",
+    "fp16_full_eval": "evaluation runs in the strategy's precision: add ('amp', {'dtype': 'float16'}) to "
+                      "torchloom_strategy.",
+    "ddp_find_unused_parameters": "torchloom builds DDP itself: pass ('ddp', {'find_unused_parameters': True}) in "
+                                  "torchloom_strategy.",
+    "ddp_bucket_cap_mb": "torchloom builds DDP itself: pass ('ddp', {'bucket_cap_mb': ...}) in torchloom_strategy.",
+    "ddp_broadcast_buffers": "torchloom builds DDP itself: pass ('ddp', {'broadcast_buffers': ...}) in "
+                             "torchloom_strategy.",
+    "ddp_static_graph": "torchloom builds DDP itself: pass ('ddp', {'static_graph': True}) in torchloom_strategy.",
+    "batch_eval_metrics": "evaluate() calls compute_metrics once, with the predictions of the whole set (gathered in "
+                          "order); set batch_eval_metrics=False.",
+    "include_for_metrics": "evaluate() passes compute_metrics the predictions and label_ids only; compute from those.",
+    "eval_use_gather_object": "evaluate() gathers tensors (torchloom's gather_for_metrics); return tensors from the "
+                              "model and drop eval_use_gather_object.",
+    "dataloader_in_order": "torchloom's loader resumes by counting the batches handed out, which needs them in order; "
+                           "remove dataloader_in_order=False.",
 }
 _SAMPLING = {"random": True, "sequential": False}
 
@@ -57,6 +75,8 @@ def _off(name: str, value: Any) -> bool:
         return value is None
     if name == "label_smoothing_factor":
         return value == 0
+    if name == "dataloader_in_order":
+        return bool(value)
     return not value
 
 
@@ -72,6 +92,10 @@ def check_trainer_arguments(args, kwargs: dict, strategy: Any, checkpoint: str, 
             raise ValueError("TorchloomTrainer: " + "; ".join(f"TrainingArguments.{n}={getattr(args, n)!r} is not "
                                                              f"supported: {a}" for n, a in bad))
         sampling_shuffle(args.train_sampling_strategy)
+        if getattr(getattr(args, "accelerator_config", None), "split_batches", False):
+            raise ValueError("TorchloomTrainer: TrainingArguments.accelerator_config.split_batches=True is not "
+                             "supported: per_device_train_batch_size is torchloom's micro-batch per data-parallel "
+                             "rank (the global batch is micro x accumulation x dp); drop split_batches.")
     if any(o is not None for o in kwargs.get("optimizers", (None, None))):
         raise ValueError("TorchloomTrainer: optimizers=(optimizer, scheduler) is not supported: torchloom builds the "
                          "optimizer after sharding the model. Pass optimizer_cls_and_kwargs=(cls, kwargs) and the "
