@@ -466,7 +466,9 @@ def plan(model: str, **kw) -> None:
     """Rank strategies for MODEL on a cluster with the cost model: nothing runs, the model is never allocated.
 
     MODEL is a built-in name (llama3-8b, llama3-70b, llama3.1-405b, mixtral-8x7b, default), a Hugging Face
-    config.json, or a factory pkg.module:function. Exit code 0; 1 when nothing fits; 2 for bad input.
+    config.json, or a factory pkg.module:function. Exit code (the same with --json, whose "fits" says it): 0;
+    1 when nothing fits or the --strategy given does not; 2 for bad input (a bad config field, a size above the
+    sanity bounds, ...). A plan that runs long says on stderr what it is doing.
 
     \b
     Examples:

@@ -9,6 +9,7 @@ row-major, so ``tp`` peers are adjacent ranks): ``dp`` = dp_replicate x dp_shard
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from ..errors import StrategyError
@@ -25,7 +26,8 @@ def divisors(n: int) -> list[int]:
     """Positive divisors of ``n`` in increasing order."""
     if n < 1:
         raise ValueError(f"divisors of {n}: need a positive integer.")
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]  # O(sqrt n): a global batch can be large
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @lru_cache(maxsize=64)

@@ -87,7 +87,8 @@ def analyze_model(model: nn.Module, *, seq_len: int, sample_input: Any = None, i
     return info
 
 
-def analyze_config(hf_config: Any, *, seq_len: int | None = None, name: str | None = None) -> ModelInfo:
+def analyze_config(hf_config: Any, *, seq_len: int | None = None, name: str | None = None,
+                   where: str | None = None) -> ModelInfo:
     """Build a Hugging Face model from its config on the meta device (no memory) and analyse it.
 
     Args:
@@ -95,25 +96,87 @@ def analyze_config(hf_config: Any, *, seq_len: int | None = None, name: str | No
             path to such a JSON file.
         seq_len: tokens per sample; default ``config.max_position_embeddings`` (a warning says so).
         name: label (default ``config.model_type``).
+        where: what to call the config in error messages (default: its ``model_type``).
 
     The model is built with fp32 parameters (the planner's master weights, whatever ``torch_dtype`` the
-    config names) via ``AutoModelForCausalLM.from_config``, else the seq2seq or base auto class.
+    config names) via ``AutoModelForCausalLM.from_config``, else the seq2seq or base auto class. The config's
+    architecture fields are checked first (:func:`torchloom.search.config_checks.check_config`), and a
+    ``seq_len`` longer than a learned position table (GPT-2's ``n_positions``) is refused: the real run would
+    index past it, the fake-tensor trace would not notice.
 
     Raises:
-        ValueError: the config has no ``model_type`` transformers knows, or no ``seq_len`` can be found.
+        ValueError: the config has no ``model_type`` transformers knows, no ``seq_len`` can be found, a bad
+            architecture field (``ModelSpecError``, a ``ValueError``: the field, its value and the rule), a
+            config transformers cannot build a model from, or ``seq_len`` above a learned position table.
     """
     import warnings
 
+    from .config_checks import check_config
+    from .presets import ModelSpecError, transformers_reason
+
     cfg = load_config(hf_config)
+    where = where or f"the {cfg.model_type} config"
+    check_config(cfg, where)
     if seq_len is None:
         seq_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         if not seq_len:
             raise ValueError(f"pass seq_len: the {cfg.model_type} config has no max_position_embeddings.")
         warnings.warn(f"analyze_config: no seq_len given; using the config's max_position_embeddings={seq_len}.",
                       stacklevel=2)
-    model = build_meta_model(cfg)
+    try:
+        model = build_meta_model(cfg)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001  (an unknown activation or rope type: KeyError, ...)
+        raise ModelSpecError(f"{where}: transformers cannot build the {cfg.model_type} model: "
+                             f"{type(e).__name__}: {transformers_reason(e)}") from e
+    _check_positions(model, cfg, int(seq_len), where)
     info = analyze_model(model, seq_len=int(seq_len), name=name or cfg.model_type)
     return info
+
+
+def _check_positions(model: nn.Module, cfg: Any, seq_len: int, where: str) -> None:
+    """Refuse ``seq_len`` above a learned absolute position table (an embedding other than the token one with
+    as many rows as the config's position limit): the real model indexes it per position, so a longer
+    sequence fails at the first step; rotary/relative models have no such table and are not limited here.
+
+    Raises:
+        ModelSpecError: ``seq_len`` above the table, naming the config field and the module.
+    """
+    from .presets import ModelSpecError
+
+    key = next((k for k in ("n_positions", "max_position_embeddings") if isinstance(getattr(cfg, k, None), int)), None)
+    if key is None or seq_len <= getattr(cfg, key):
+        return
+    limit = getattr(cfg, key)
+    tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for qual, m in model.named_modules():
+        if isinstance(m, nn.Embedding) and m is not tokens and m.num_embeddings == limit:
+            raise ModelSpecError(f"{where}: sequence length {seq_len} is longer than {key} {limit}: the model "
+                                 f"learns one position embedding per position ({qual}, {limit} rows), so a real "
+                                 f"run fails past {limit}; pass --seq-len <= {limit} (or raise {key}).")
+
+
+def sample_seq_len(sample: Any) -> int | None:
+    """Tokens per sample of a batch, or None when its input has no sequence dimension.
+
+    The first tensor with at least 2 dims decides: integer token ids ``(B, S)`` / ``(B, S, K)`` or a float
+    ``(B, S, H)`` (embeddings, time series) -> its dim 1; a float ``(B, F)`` (feature vectors), anything with 4
+    or more dims ``(B, C, H, W...)`` (images, volumes) or a ``uint8`` image ``(B, H, W)`` -> None: dim 1 holds
+    features, channels or rows, not tokens. A float ``(B, C, L)`` (a 1-D convolution's input) reads as a
+    sequence of C; give the length explicitly there (``search={'seq_len': L}``).
+
+    Raises:
+        ValueError: no tensor with at least 2 dims.
+    """
+    for t in tree_flatten(sample)[0]:
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            if t.dim() >= 4 or (t.dtype == torch.uint8 and t.dim() == 3):
+                return None
+            if t.is_floating_point() or t.is_complex():
+                return int(t.shape[1]) if t.dim() == 3 else None
+            return int(t.shape[1])
+    raise ValueError("the sample batch has no tensor with a batch and a sample dimension.")
 
 
 def signature(model: nn.Module, seq_len: int, sample_input: Any = None) -> str:

@@ -169,8 +169,11 @@ def _search(model, options: SearchOptions, loader_args: dict, world: int, recipe
     user_micro = loader_args.pop("micro_batch_size", None)
     sample = options.sample_batch if options.sample_batch is not None else _sample(recipe.get("dataset"), loader_args)
     seq_len = options.seq_len or _seq_len(sample)
+    sequence = seq_len is not None
+    seq_len = seq_len or 1  # no sequence dimension: throughput in samples
     info = analyze_model(model, seq_len=seq_len, sample_input=sample, input_format=recipe.get("model_input_format"),
                          loss_func=recipe.get("loss_func"))
+    info.sequence = sequence
     hw = job_hardware()
     machine = machine_fingerprint()
     key = cache_key(model=info.signature, world_size=world, global_batch=global_batch, seq_len=seq_len,
@@ -242,12 +245,13 @@ def _sample(dataset, loader_args: dict) -> Any:
     return collate([item])
 
 
-def _seq_len(sample: Any) -> int:
-    """Tokens per sample: dim 1 of the batch's first tensor with at least 2 dims."""
-    from torch.utils._pytree import tree_leaves
+def _seq_len(sample: Any) -> int | None:
+    """Tokens per sample (:func:`torchloom.search.analysis.sample_seq_len`): None for an input without a
+    sequence dimension (images, feature vectors), whose throughput the search counts in samples."""
+    from .analysis import sample_seq_len
 
-    for t in tree_leaves(sample):
-        if isinstance(t, torch.Tensor) and t.dim() >= 2:
-            return int(t.shape[1])
-    raise StrategyError("strategy='auto' cannot tell the sequence length from the sample batch (no tensor with a "
-                        "sequence dimension); pass search={'seq_len': N}.")
+    try:
+        return sample_seq_len(sample)
+    except ValueError:
+        raise StrategyError("strategy='auto' cannot tell the sequence length from the sample batch (no tensor with a "
+                            "batch and a sample dimension); pass search={'seq_len': N}.") from None

@@ -137,6 +137,9 @@ class ModelInfo:
         signature: a hash of parameter names, shapes and dtypes (plan cache key).
         notes: what the analysis assumed (e.g. a stand-in loss), for the planner's output.
         experts: the routed experts (:class:`ExpertsInfo`) of a Mixture-of-Experts model, None for a dense one.
+        sequence: whether a sample is a sequence of ``seq_len`` tokens; False for an input without one (images,
+            feature vectors: ``seq_len`` is then 1 and throughput is counted in samples;
+            :func:`torchloom.search.analysis.sample_seq_len`).
     """
 
     name: str
@@ -154,6 +157,7 @@ class ModelInfo:
     signature: str = ""
     notes: list[str] = field(default_factory=list)
     experts: ExpertsInfo | None = None
+    sequence: bool = True
 
     @property
     def blocks(self) -> list[PartInfo]:

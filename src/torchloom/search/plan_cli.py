@@ -23,9 +23,75 @@ GiB = 1024.0 ** 3
 MEMORY_ORDER = ("params", "grads", "optimizer", "activations", "temporary", "headroom")
 JSON_SCHEMA_VERSION = 1
 
+#: sanity bounds on the sizes ``loom plan`` accepts (exit 2 above them, naming the bound): beyond them a plan
+#: is a typo (``--gpus 1000000``) more often than a cluster, and the search would run for minutes
+MAX_GPUS = 131_072
+MAX_GPUS_PER_NODE = 1_024
+MAX_LOCAL_PROCESSES = 256
+MAX_SEQ_LEN = 2 ** 24
+MAX_GLOBAL_BATCH = 2 ** 24
+#: seconds before ``loom plan`` says on stderr what it is doing, and between such lines after
+PROGRESS_AFTER_S = 3.0
+PROGRESS_EVERY_S = 10.0
+
 
 class NoFit(StrategyError):
     """No candidate fits the devices' memory (the message: how much the smallest overflows, what would fit)."""
+
+
+class Progress:
+    """Says on stderr what a long plan is doing: nothing for the first ``after_s`` seconds (a plan normally
+    takes less), then ``loom plan: <phase> (<n> s so far)`` every ``every_s`` seconds, from :meth:`update`
+    and from a background timer (one long phase, e.g. the analysis of a 405B model, updates nothing).
+
+    Use as a context manager; :meth:`update` sets the current phase (cheap: the search calls it per batch of
+    candidates).
+    """
+
+    def __init__(self, echo=None, after_s: float | None = None, every_s: float | None = None):
+        import threading
+
+        self.echo = echo or _echo_err
+        self.after_s = PROGRESS_AFTER_S if after_s is None else after_s
+        self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
+        self.phase = "starting"
+        self._t0 = time.perf_counter()
+        self._last: float | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="loom-plan-progress", daemon=True)
+
+    def __enter__(self) -> "Progress":
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def update(self, phase: str) -> None:
+        """Set the current phase; print it when a line is due."""
+        self.phase = phase
+        self._maybe_print()
+
+    def _maybe_print(self) -> None:
+        with self._lock:
+            now = time.perf_counter()
+            if now - self._t0 < self.after_s or (self._last is not None and now - self._last < self.every_s):
+                return
+            self._last = now
+            self.echo(f"loom plan: {self.phase} ({now - self._t0:.0f} s so far)")
+
+    def _tick(self) -> None:
+        while not self._stop.wait(min(0.5, max(self.every_s, 0.01))):
+            self._maybe_print()
+
+
+def _echo_err(text: str) -> None:
+    import click
+
+    click.echo(text, err=True)
 
 
 @dataclass
@@ -37,8 +103,9 @@ class PlanRow:
     prediction: Prediction
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "label": self.candidate.label(), "candidate": self.candidate.to_dict(),
-                "strategy": self.candidate.strategy().to_dict(), "prediction": self.prediction.to_dict()}
+        return {"rank": self.rank, "label": self.candidate.label(), "fits": self.prediction.fits,
+                "candidate": self.candidate.to_dict(), "strategy": self.candidate.strategy().to_dict(),
+                "prediction": self.prediction.to_dict()}
 
 
 @dataclass
@@ -80,10 +147,16 @@ class PlanReport:
             "cluster": {"gpu": self.cluster.gpu, "gpus": self.cluster.gpus, "gpus_per_node": self.cluster.gpus_per_node,
                         "local": self.cluster.local, "hardware": hw.name, "memory_bytes": hw.memory_bytes,
                         "peak_flops": dict(hw.peak_flops)},
-            "seq_len": self.seq_len, "global_batch": self.global_batch, "mode": self.mode,
+            "seq_len": self.seq_len, "global_batch": self.global_batch, "mode": self.mode, "fits": self.fits,
             "evaluated": self.evaluated, "wall_s": round(self.wall_s, 3), "notes": list(self.notes),
             "candidates": [r.to_dict() for r in rows],
         }
+
+    @property
+    def fits(self) -> bool:
+        """Whether the best row (the ``--strategy`` one, or the search's first) fits device memory: exit code 0
+        (else 1), in the table and in ``--json`` alike."""
+        return bool(self.rows) and self.rows[0].prediction.fits
 
 
 # ------------------------------------------------------------------------------------------ planning
@@ -91,7 +164,8 @@ def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_pe
          local: bool = False, nproc: int | None = None, seq_len: int | None = None,
          global_batch: int | None = None, micro_batch: int | None = None, strategy: str | None = None,
          search_options: dict[str, Any] | None = None, hardware: Hardware | None = None,
-         sample: str | None = None, input_format: str | None = None) -> PlanReport:
+         sample: str | None = None, input_format: str | None = None,
+         progress: Progress | None = None) -> PlanReport:
     """Plan ``model`` on a cluster (the arguments of :func:`~torchloom.search.cluster.cluster_spec`).
 
     Args:
@@ -106,43 +180,81 @@ def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_pe
         hardware: use this :class:`Hardware` instead of building it from the cluster options (tests).
         sample / input_format: for a factory model: ``pkg.module:fn`` returning one micro-batch-1 batch, and
             how it is passed (:func:`~torchloom.search.presets.resolve_model`).
+        progress: told each phase (:class:`Progress`: ``loom plan`` says on stderr what a long plan does).
 
     Raises:
-        TorchloomError: a bad model, cluster or strategy (the message names it), or no candidate that fits
-            (how much the smallest overflows and what would make it fit).
+        TorchloomError: a bad model, cluster or strategy (the message names it), a size above the sanity
+            bounds (:data:`MAX_GPUS`, ...), or no candidate that fits (how much the smallest overflows and
+            what would make it fit).
     """
     t0 = time.perf_counter()
+    say = progress.update if progress is not None else (lambda phase: None)
+    check_sizes(gpus=gpus, gpus_per_node=gpus_per_node, nproc=nproc, seq_len=seq_len, global_batch=global_batch,
+                micro_batch=micro_batch)
+    say(f"resolving the model {model}")
     spec = resolve_model(model, sample=sample, input_format=input_format)
     cl = cluster_spec(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, local=local, nproc=nproc)
     notes: list[str] = []
-    if seq_len is not None and seq_len < 1:
-        raise StrategyError(f"--seq-len must be >= 1, got {seq_len}.")
     seq = seq_len or spec.default_seq_len()
     if global_batch is None:
         global_batch = cl.gpus
         notes.append(f"global batch {global_batch} (one sample per device per step; pass --global-batch to choose)")
-    if global_batch < 1:
-        raise StrategyError(f"--global-batch must be >= 1, got {global_batch}.")
+    say("calibrating this machine" if cl.local else f"building the {cl.gpu} cluster model")
     hw = hardware if hardware is not None else cluster_hardware(cl)
+    say(f"analysing {spec.name} on the meta device at {seq:,} tokens per sample")
     info = spec.analyze(seq)
     notes = [*spec.notes, *notes]
     if strategy is not None:
+        say(f"evaluating the strategy on {cl.gpus:,} ranks")
         cand = strategy_candidate(strategy, info, cl.gpus, global_batch, seq, micro_batch)
         rows = [PlanRow(1, cand, _predict(cand, info, hw))]
         evaluated, mode = 1, "strategy"
     else:
+        say(f"searching the plans for {cl.gpus:,} ranks")
         rows, evaluated, search_notes = search_rows(info, hw, cl.gpus, global_batch, seq, micro_batch,
-                                                    search_options or {})
+                                                    search_options or {}, progress=say)
         notes += [n for n in search_notes if not n.startswith("search: ")]
         mode = "search"
     return PlanReport(spec, info.n_params, cl, hw, seq, global_batch, rows, evaluated, mode,
                       time.perf_counter() - t0, notes, experts=info.experts)
 
 
+def check_sizes(*, gpus: int | None = None, gpus_per_node: int | None = None, nproc: int | None = None,
+                seq_len: int | None = None, global_batch: int | None = None, micro_batch: int | None = None) -> None:
+    """Each given size is >= 1 and at most its sanity bound (:data:`MAX_GPUS`, :data:`MAX_GPUS_PER_NODE`,
+    :data:`MAX_LOCAL_PROCESSES`, :data:`MAX_SEQ_LEN`, :data:`MAX_GLOBAL_BATCH`; the micro-batch at most the
+    global batch).
+
+    Raises:
+        StrategyError: the option, its value and the bound.
+    """
+    bounds = (("--gpus", gpus, MAX_GPUS, "devices", "MAX_GPUS"),
+              ("--gpus-per-node", gpus_per_node, MAX_GPUS_PER_NODE, "devices per node", "MAX_GPUS_PER_NODE"),
+              ("--nproc", nproc, MAX_LOCAL_PROCESSES, "processes on this machine", "MAX_LOCAL_PROCESSES"),
+              ("--seq-len", seq_len, MAX_SEQ_LEN, "tokens per sample", "MAX_SEQ_LEN"),
+              ("--global-batch", global_batch, MAX_GLOBAL_BATCH, "samples per step", "MAX_GLOBAL_BATCH"),
+              ("--micro-batch", micro_batch, global_batch or MAX_GLOBAL_BATCH, "samples per rank per forward", None))
+    for opt, v, hi, unit, name in bounds:
+        if v is None:
+            continue
+        if v < 1:
+            raise StrategyError(f"{opt} must be >= 1, got {v}.")
+        if v > hi:
+            if name is None:
+                raise StrategyError(f"{opt} {v:,} is more than the global batch {hi:,}; a micro-batch is a part of "
+                                    f"one data-parallel rank's share of the global batch.")
+            raise StrategyError(f"{opt} {v:,} is above loom plan's bound of {hi:,} {unit} (torchloom.search."
+                                f"plan_cli.{name}): a plan that large is more often a typo than a cluster, and its "
+                                f"search would take minutes; check the number.")
+
+
 def search_rows(info, hw: Hardware, world: int, global_batch: int, seq_len: int, micro_batch: int | None,
-                options: dict[str, Any]) -> tuple[list[PlanRow], int, list[str]]:
+                options: dict[str, Any], progress=None) -> tuple[list[PlanRow], int, list[str]]:
     """Rank the search space's candidates by predicted throughput with :func:`torchloom.search.search.search`
     (predictions only: ``top_k=0``, no runner; nothing runs).
+
+    Args:
+        progress: ``progress(phase)`` is told what the search is doing (``search(progress=...)``).
 
     Returns:
         ``(rows that fit, best first; how many candidates were predicted; the search's notes)``.
@@ -159,7 +271,7 @@ def search_rows(info, hw: Hardware, world: int, global_batch: int, seq_len: int,
         opts["fixed"] = {**opts.get("fixed", {}), "micro_batch": micro_batch}
     try:
         result = search(world_size=world, global_batch=global_batch, hw=hw, info=info, seq_len=seq_len,
-                        options=opts)
+                        options=opts, progress=progress)
     except StrategyError as e:
         if "fits no candidate" in str(e):
             raise NoFit(str(e)) from e
@@ -237,8 +349,10 @@ def strategy_candidate(text: str, info, world: int, global_batch: int, seq_len: 
 def run_command(model: str, *, gpu=None, gpus=None, gpus_per_node=None, local=False, nproc=None, seq_len=None,
                 global_batch=None, micro_batch=None, strategy=None, exclude=None, fixed=(), top=10, explain=None,
                 as_json=False, sample=None, input_format=None) -> int:
-    """``loom plan``: plan, print (table, ``--explain``, or ``--json``) and return the exit code: 0, 1 when no
-    candidate fits (the message says by how much and what would fit), 2 for bad input (named)."""
+    """``loom plan``: plan, print (table, ``--explain``, or ``--json``) and return the exit code, the same in
+    both forms: 0 when the best row fits (``fits`` in the JSON), 1 when nothing fits or the ``--strategy``
+    given does not (the message / ``fits: false`` says by how much and what would fit), 2 for bad input
+    (named). A plan that takes more than :data:`PROGRESS_AFTER_S` seconds says on stderr what it is doing."""
     import click
 
     try:
@@ -248,28 +362,33 @@ def run_command(model: str, *, gpu=None, gpus=None, gpus_per_node=None, local=Fa
             raise StrategyError("--exclude/--fix steer the search; with --strategy nothing is searched (put the "
                                 "degrees in the strategy's parallel_mode item).")
         options = search_options_from_cli(exclude, fixed)
-        report = plan(model, gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, local=local, nproc=nproc,
-                      seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, strategy=strategy,
-                      search_options=options, sample=sample, input_format=input_format)
+        with Progress() as progress:
+            report = plan(model, gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, local=local, nproc=nproc,
+                          seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, strategy=strategy,
+                          search_options=options, sample=sample, input_format=input_format, progress=progress)
         if explain is not None:
             explain_row(report, explain)
     except NoFit as e:
         click.echo(f"no fit: {e}", err=True)
+        if as_json:  # the same fields as a plan that ran: nothing ranked, fits false, and why
+            click.echo(json.dumps({"schema": JSON_SCHEMA_VERSION, "mode": "search", "fits": False,
+                                   "candidates": [], "no_fit": str(e)}, indent=1))
         return 1
     except TorchloomError as e:
         click.echo(f"error: {e}", err=True)
         return 2
+    code = 0 if report.fits else 1
     if as_json:
         d = report.to_dict(top=top)
         if explain is not None:
             d["explain"] = explain_row(report, explain).to_dict()
         click.echo(json.dumps(d, indent=1, default=str))
-        return 0
+        return code
     click.echo(render_table(report, top=top))
     if explain is not None:
         click.echo("")
         click.echo(render_explain(report, explain))
-    return 0 if all(r.prediction.fits for r in report.rows[:1]) else 1
+    return code
 
 
 def search_options_from_cli(exclude: str | None, fixed) -> dict[str, Any]:

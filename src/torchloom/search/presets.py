@@ -120,7 +120,7 @@ class ModelSpec:
         if self.seq_len:
             return self.seq_len
         n = getattr(self.hf_config, "max_position_embeddings", None) if self.hf_config is not None else None
-        if not n:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ModelSpecError(f"model {self.name!r} does not say its sequence length; pass --seq-len N.")
         guess = min(int(n), DEFAULT_SEQ_LEN_CAP)
         self.notes.append(f"sequence length {guess} assumed (max_position_embeddings={n}, capped at "
@@ -145,7 +145,12 @@ class ModelSpec:
         from . import analysis
 
         if self.hf_config is not None:
-            info = analysis.analyze_config(self.hf_config, seq_len=seq_len)
+            try:
+                info = analysis.analyze_config(self.hf_config, seq_len=seq_len, where=self.source)
+            except ModelSpecError:
+                raise
+            except ValueError as e:  # a config transformers builds but the model cannot run (named by the trace)
+                raise ModelSpecError(f"{self.source}: {e}") from e
         else:
             model = self.meta_model()
             batch = self.sample_batch()
@@ -244,18 +249,35 @@ def _resolve_model(spec: str) -> ModelSpec:
 
 
 def hf_config_from_dict(d: dict[str, Any], where: str):
-    """A transformers config of ``d["model_type"]`` from a config.json-style dict."""
+    """A transformers config of ``d["model_type"]`` from a config.json-style dict, its architecture fields
+    checked (:mod:`torchloom.search.config_checks`) before and after transformers builds it.
+
+    Raises:
+        ModelSpecError: no or an unknown ``model_type``, or a bad field (named with its value and the rule).
+    """
     from transformers import CONFIG_MAPPING
+
+    from .config_checks import check_config, check_config_dict
 
     mt = d.get("model_type")
     if not mt:
         raise ModelSpecError(f"{where}: no 'model_type' in the config (e.g. \"llama\"); it names the architecture.")
     if mt not in CONFIG_MAPPING:
         raise ModelSpecError(f"{where}: model_type {mt!r} is not known to transformers.")
+    check_config_dict(d, where)
     try:
-        return CONFIG_MAPPING[mt](**{k: v for k, v in d.items() if k != "model_type"})
-    except (TypeError, ValueError) as e:
-        raise ModelSpecError(f"{where}: invalid {mt} config: {e}") from e
+        cfg = CONFIG_MAPPING[mt](**{k: v for k, v in d.items() if k != "model_type"})
+    except Exception as e:  # noqa: BLE001  (transformers' own field checks: TypeError, ValueError, StrictDataclass*)
+        raise ModelSpecError(f"{where}: invalid {mt} config: {transformers_reason(e)}") from e
+    check_config(cfg, where)
+    return cfg
+
+
+def transformers_reason(e: BaseException) -> str:
+    """The line of a transformers config/model error that says what is wrong (its validation errors wrap the
+    reason in a header line: ``Class validation error for validator ...``)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__
 
 
 def _hf_model(config):

@@ -91,6 +91,11 @@ class SearchResult:
         notes: what the search decided and why (warnings included).
         pruned_examples: per ``pruned_reasons`` key, the first full message of that kind (e.g. a
             ``validate`` hook's), for the error raised when nothing valid is left (not serialised).
+        pruned_layouts: per ``pruned_reasons`` key, the layouts (mesh degrees, ``pp1 dpr2 dps1 tp1``) it
+            removed candidates from, to order the refusals by reach (not serialised).
+        sequence: whether a sample is a sequence of ``seq_len`` tokens; False (``seq_len`` 1) for a model whose
+            input has no sequence dimension (a CNN's images, an MLP's feature vectors): throughput is then in
+            samples per second, and :meth:`table` says so.
     """
 
     chosen: Candidate
@@ -106,6 +111,8 @@ class SearchResult:
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     pruned_examples: dict[str, str] = field(default_factory=dict)
+    pruned_layouts: dict[str, set[str]] = field(default_factory=dict)
+    sequence: bool = True
 
     @property
     def chosen_prediction(self) -> Prediction | None:
@@ -117,16 +124,18 @@ class SearchResult:
         return next((t for t in self.trials if t.candidate.key() == key), None)
 
     def table(self, n: int = 10) -> str:
-        """The ranked candidates as a text table: predicted step time, tokens/s per device, MFU (and the
-        peak it divides by, per precision), peak memory per rank, and the measured step time of those that
-        ran (or their status: ``skipped``, ``timeout``, ``oom``, ``error``). The candidate column is as wide
-        as the longest label shown (labels are never cut)."""
+        """The ranked candidates as a text table: predicted step time, tokens/s per device (samples/s when
+        the model has no sequence: ``sequence`` False), MFU (and the peak it divides by, per precision), peak
+        memory per rank, and the measured step time of those that ran (or their status: ``skipped``,
+        ``timeout``, ``oom``, ``error``). The candidate column is as wide as the longest label shown (labels
+        are never cut)."""
         shown = self.ranked[:n]
         for t in self.trials:  # measured candidates always appear
             if all(e.candidate.key() != t.candidate.key() for e in shown):
                 shown += [e for e in self.ranked if e.candidate.key() == t.candidate.key()]
         width = max([len("candidate"), *(len(e.candidate.label()) for e in shown)])
-        head = (f"{'#':>3}  {'candidate':<{width}} {'pred ms':>9} {'tok/s/dev':>10} {'MFU':>6} {'mem GiB':>8} "
+        rate = "tok/s/dev" if self.sequence else "samples/s/dev"
+        head = (f"{'#':>3}  {'candidate':<{width}} {'pred ms':>9} {rate:>13} {'MFU':>6} {'mem GiB':>8} "
                 f"{'meas ms':>9}")
         lines = [head, "-" * len(head)]
         peaks: dict[str, float] = {}
@@ -136,13 +145,25 @@ class SearchResult:
             mark = "*" if e.candidate.key() == self.chosen.key() else " "
             rank = self.ranked.index(e) + 1
             lines.append(f"{rank:>3}{mark} {e.candidate.label():<{width}} {p.step_time_s * 1e3:9.1f} "
-                         f"{p.tokens_per_s_per_device:10.0f} {p.mfu * 100:5.1f}% {p.peak_memory_bytes / 2**30:8.3f} "
+                         f"{self._per_device(e):13,.0f} {p.mfu * 100:5.1f}% {p.peak_memory_bytes / 2**30:8.3f} "
                          f"{meas}")
             peaks.setdefault(_precision(e.candidate), p.peak_flops)
         peak = ", ".join(f"{v / 1e12:.3g} TFLOP/s ({k} rows)" for k, v in sorted(peaks.items())) or "0 TFLOP/s"
+        unit = "" if self.sequence else ("; no sequence dimension: throughput in samples (global batch / step "
+                                         "time / devices)")
         lines.append(f"({len(self.ranked)} fit, {len(self.evaluated)} predicted, {self.pruned_count} pruned; MFU "
-                     f"divides by {peak} per device; * = chosen, by {self.chosen_by})")
+                     f"divides by {peak} per device; * = chosen, by {self.chosen_by}{unit})")
         return "\n".join(lines)
+
+    def _per_device(self, e: Evaluated) -> float:
+        """Predicted tokens/s per device, or samples/s per device for a model without a sequence (computed from
+        the batch, whatever ``seq_len`` the candidate carries)."""
+        p = e.prediction
+        if self.sequence:
+            return p.tokens_per_s_per_device
+        c = e.candidate
+        world = c.dims.pp * c.dims.dp * c.dims.tp
+        return c.global_batch / p.step_time_s / world if p.step_time_s > 0 else 0.0
 
     def to_dict(self, max_ranked: int = 50) -> dict[str, Any]:
         """JSON-ready; ``ranked`` is cut to ``max_ranked`` entries, ``evaluated`` is left out (it can hold
@@ -152,7 +173,7 @@ class SearchResult:
                 "trials": [t.to_dict() for t in self.trials], "pruned_count": self.pruned_count,
                 "pruned_reasons": dict(self.pruned_reasons), "evaluated_count": len(self.evaluated),
                 "world_size": self.world_size, "global_batch": self.global_batch, "seq_len": self.seq_len,
-                "elapsed_s": self.elapsed_s, "notes": list(self.notes)}
+                "elapsed_s": self.elapsed_s, "notes": list(self.notes), "sequence": self.sequence}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SearchResult":
@@ -160,4 +181,5 @@ class SearchResult:
         return cls(Candidate.from_dict(d["chosen"]), d.get("chosen_by", "plan"), ranked, list(ranked),
                    [Trial.from_dict(t) for t in d.get("trials", [])], int(d.get("pruned_count", 0)),
                    dict(d.get("pruned_reasons", {})), int(d.get("world_size", 1)), int(d.get("global_batch", 1)),
-                   int(d.get("seq_len", 0)), float(d.get("elapsed_s", 0.0)), list(d.get("notes", [])))
+                   int(d.get("seq_len", 0)), float(d.get("elapsed_s", 0.0)), list(d.get("notes", [])),
+                   sequence=bool(d.get("sequence", True)))

@@ -23,7 +23,7 @@ from .hardware import Hardware
 from .model_info import ModelInfo
 from .options import SearchOptions
 from .result import Evaluated, SearchResult, Trial
-from .space import Space, ac_levels, check, enumerate_space, state_lower_bound, with_extra
+from .space import BATCH_REASONS, Space, ac_levels, check, enumerate_space, mesh_label, state_lower_bound, with_extra
 
 log = logging.getLogger("torchloom.search")
 
@@ -39,7 +39,7 @@ FULL_CHECKS = 64
 def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_size: int, global_batch: int,
            hw: Hardware, info: ModelInfo | None = None, seq_len: int | None = None,
            options: SearchOptions | dict | None = None, runner: Runner | None = None,
-           predict: Predictor | None = None) -> SearchResult:
+           predict: Predictor | None = None, progress: Callable[[str], None] | None = None) -> SearchResult:
     """Find the fastest plan for ``model`` on ``world_size`` ranks of ``hw`` at ``global_batch`` samples
     (of ``seq_len`` tokens) per optimizer step.
 
@@ -58,15 +58,19 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
         options: a :class:`SearchOptions` or the user's ``search={...}`` dict.
         runner: runs the confirming trials (see :data:`Runner`); None = predictions only.
         predict: the cost model (default :func:`torchloom.search.cost.predict`).
+        progress: ``progress(phase)`` is told what the search is doing, every few hundred candidates (``loom
+            plan`` prints it when a plan runs long).
 
     Returns:
         a :class:`SearchResult`.
 
     Raises:
         StrategyError: bad options, a global batch no data-parallel degree divides, or a model that fits no
-            candidate (by how much the smallest overflows, and what would make it fit).
+            candidate (by how much the smallest overflows, and what would make it fit). When nothing valid is
+            left, the message leads with the refusal that removed the most layouts (batch arithmetic first).
     """
     t0 = time.perf_counter()
+    say = progress or (lambda phase: None)
     options = SearchOptions.parse(options)
     if info is None:
         info = _analyse(model, seq_len)
@@ -75,30 +79,35 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
         from .cost import predict
     ranks_per_node = hw.ranks_per_node if hw.num_nodes > 1 else None
     usable = hw.memory_bytes * (1 - options.headroom)
+    say(f"enumerating the layouts of {world_size:,} ranks")
     space = enumerate_space(info, world_size, global_batch, options, memory_bytes=hw.memory_bytes,
                             ranks_per_node=ranks_per_node)
     result = SearchResult(chosen=None, chosen_by="predicted", world_size=world_size,  # type: ignore[arg-type]
-                          global_batch=global_batch, seq_len=seq_len)
+                          global_batch=global_batch, seq_len=seq_len, sequence=info.sequence)
     _count_pruned(result, space)
     # the hooks' architecture-size checks for every candidate; the model-structure checks in rank order below
     light = dataclasses.replace(info, module=None) if info.module is not None else info
-    _predict_all(space, info, light, hw, predict, usable, seq_len, options, result)
+    _predict_all(space, info, light, hw, predict, usable, seq_len, options, result, say)
     if not result.ranked and hw.device_type != "cpu" and "cpu_offload" not in options.exclude:
         offload = enumerate_space(info, world_size, global_batch, options, ranks_per_node=ranks_per_node, offload=True)
-        _predict_all(offload, info, light, hw, predict, usable, seq_len, options, result)
+        _predict_all(offload, info, light, hw, predict, usable, seq_len, options, result, say)
         if result.ranked:
             result.notes.append("nothing fits in device memory without CPU offload: ranked the fsdp cpu_offload "
                                 "candidates")
     if not result.evaluated and not any(p.memory for p in space.pruned):
         # nothing survived pruning and validate, and none was left out for memory: not a memory problem
-        raise StrategyError(_no_valid_message(result, world_size, options))
+        raise StrategyError(_no_valid_message(result, world_size, options, space))
     if not result.ranked:
-        raise StrategyError(_no_fit_message(result, info, world_size, hw, usable, options))
+        raise StrategyError(_no_fit_message(result, info, world_size, hw, usable, options, space))
     result.ranked.sort(key=lambda e: (-e.prediction.tokens_per_s, e.candidate.key()))
     if light is not info:
+        say(f"checking the model structure of the best of {len(result.ranked):,} candidates that fit")
         _check_structure(result, info, max(FULL_CHECKS, options.top_k))
     if not result.ranked:  # every candidate that fit memory failed the model-structure checks
-        raise StrategyError(_no_valid_message(result, world_size, options))
+        raise StrategyError(_no_valid_message(result, world_size, options, space))
+    batch = _batch_note(result, space)
+    if batch:
+        result.notes.append(batch)
     result.chosen = result.ranked[0].candidate
     top = [e for e in result.ranked[: options.top_k]]
     if runner is not None and top:
@@ -125,7 +134,7 @@ def _analyse(model, seq_len: int | None) -> ModelInfo:
 
 def _count_pruned(result: SearchResult, space: Space) -> None:
     for p in space.pruned:
-        _reject(result, p.reason)
+        _reject(result, p.reason, p.layout)
 
 
 def _reason_kind(why: str) -> str:
@@ -133,13 +142,17 @@ def _reason_kind(why: str) -> str:
     return re.sub(r"\d+(\.\d+)?", "N", why.split(". ")[0])[:100]
 
 
-def _predict_all(space: Space, info, check_info, hw, predict, usable: float, seq_len: int, options, result) -> None:
+def _predict_all(space: Space, info, check_info, hw, predict, usable: float, seq_len: int, options, result,
+                 say=lambda phase: None) -> None:
     """Per base: ``check`` (against ``check_info``), then the least checkpointing that fits: the levels run
     from none to every block and the predicted peak does not grow along them, so: none (fits: done), every
     block (does not fit: nothing will), then a bisection between (at most ~log2(levels) more predictions)."""
     levels = ac_levels(info, options)
     hopeless: set[str] = set()  # groups where a smaller micro-batch already fit at no checkpointing level
-    for base in space.bases:
+    for i_base, base in enumerate(space.bases):
+        if i_base % 256 == 0:
+            say(f"predicting candidate {i_base + 1:,} of {len(space.bases):,} on {space.meshes:,} layouts "
+                f"({len(result.ranked):,} fit so far)")
         group = _group_key(base)
         if group in hopeless:  # a larger micro-batch needs more memory: it cannot fit either
             continue
@@ -147,7 +160,7 @@ def _predict_all(space: Space, info, check_info, hw, predict, usable: float, seq
                                                               base.grad_accum, seq_len)
         why = check(base, check_info)
         if why:
-            _reject(result, why)
+            _reject(result, why, mesh_label(base.dims))
             continue
         probed: dict[int, Evaluated | None] = {}
 
@@ -198,12 +211,12 @@ def _evaluate(cand, checked: bool, info, check_info, hw, predict, usable, result
     if checked:
         why = _ac_check(cand, check_info)
         if why:
-            _reject(result, why)
+            _reject(result, why, mesh_label(cand.dims))
             return None
     try:
         pred = predict(cand, info, hw)
     except StrategyError as e:  # an estimate hook found what validate did not (e.g. too few units)
-        _reject(result, str(e))
+        _reject(result, str(e), mesh_label(cand.dims))
         return None
     ev = Evaluated(cand, pred, pred.peak_memory_bytes <= usable)
     result.evaluated.append(ev)
@@ -223,7 +236,7 @@ def _check_structure(result: SearchResult, info: ModelInfo, keep: int) -> None:
             break
         why = check(e.candidate, info)
         if why:
-            _reject(result, why)
+            _reject(result, why, mesh_label(e.candidate.dims))
             continue
         kept += 1
         out.append(e)
@@ -236,11 +249,13 @@ def _group_key(c: Candidate) -> str:
     return repr((sorted(c.dims.as_dict().items()), methods))
 
 
-def _reject(result: SearchResult, why: str) -> None:
+def _reject(result: SearchResult, why: str, layout: str = "") -> None:
     reason = _reason_kind(why)
     result.pruned_reasons[reason] = result.pruned_reasons.get(reason, 0) + 1
     result.pruned_count += 1
     result.pruned_examples.setdefault(reason, why)
+    if layout:
+        result.pruned_layouts.setdefault(reason, set()).add(layout)
 
 
 def _confirm(result: SearchResult, top: list[Evaluated], runner: Runner, options: SearchOptions, t0: float) -> None:
@@ -299,9 +314,47 @@ def _log_table(result: SearchResult) -> None:
         log.info("%s\n%s", result.notes[0], result.table())
 
 
-def _no_valid_message(result: SearchResult, world: int, options: SearchOptions) -> str:
-    """Why no candidate is valid: pinned degrees that cannot fit the world size, then the pruning reasons by
-    count, each with its first full message (a ``validate`` hook's, naming the fix)."""
+def _is_batch(reason: str) -> bool:
+    return reason.startswith(BATCH_REASONS)
+
+
+def refusals(result: SearchResult) -> list[tuple[str, int, int]]:
+    """The search's refusals as ``(reason kind, layouts removed, candidates removed)``, batch arithmetic first
+    (the user's global batch or pinned micro-batch: the usual cause, and the easiest to change), then by how
+    many layouts (mesh degrees) each removed, then by candidates. A layout pruned whole counts once as a
+    candidate (its candidates were never enumerated)."""
+    rows = [(k, len(result.pruned_layouts.get(k, ())), n) for k, n in result.pruned_reasons.items()]
+    return sorted(rows, key=lambda r: (not _is_batch(r[0]), -r[1], -r[2]))
+
+
+def _batch_fix(gb: int, dps: set[int]) -> str:
+    """``a global batch divisible by D (e.g. lo or hi)`` for the data-parallel degrees ``dps`` that ``gb``
+    does not split over."""
+    d = math.lcm(*dps) if dps else 1
+    lo, hi = gb // d * d, (gb // d + 1) * d
+    eg = f"{lo:,} or {hi:,}" if lo else f"{hi:,}"
+    return f"a global batch divisible by {d:,} (e.g. {eg})"
+
+
+def _batch_note(result: SearchResult, space: Space) -> str | None:
+    """When the global batch ruled layouts out of a search that still found plans: say which, and the fix."""
+    if not space.batch_dps:
+        return None
+    n = sum(len(v) for k, v in result.pruned_layouts.items() if k.startswith("global batch "))
+    dps = ", ".join(str(d) for d in sorted(space.batch_dps))
+    return (f"global batch {result.global_batch:,} is not divisible by dp={dps}: {n:,} of the {space.layouts:,} "
+            f"layouts were not considered; {_batch_fix(result.global_batch, space.batch_dps)} lets the search "
+            f"try them")
+
+
+def _layouts(n: int) -> str:
+    return f"{n:,} layout{'s' if n != 1 else ''}"
+
+
+def _no_valid_message(result: SearchResult, world: int, options: SearchOptions, space: Space) -> str:
+    """Why no candidate is valid: pinned degrees that cannot fit the world size, then the main cause (the
+    first of :func:`refusals`: batch arithmetic, else the refusal that removed the most layouts) with its fix,
+    then every refusal in that order with its first full message (a ``validate`` hook's, naming the fix)."""
     lines = []
     for k in ("pp", "dp_replicate", "dp_shard", "dp", "tp"):
         v = options.fixed.get(k)
@@ -312,19 +365,39 @@ def _no_valid_message(result: SearchResult, world: int, options: SearchOptions) 
     if not lines and pinned and world % math.prod(pinned):
         lines.append(f"the pinned degrees {dict((k, options.fixed[k]) for k in ('pp', 'dp', 'tp') if k in options.fixed)} "
                      f"multiply to {math.prod(pinned)}, which does not divide the world size {world}")
-    reasons = sorted(result.pruned_reasons.items(), key=lambda kv: -kv[1])
-    detail = "; ".join(f"{n} x {result.pruned_examples.get(k, k).rstrip('. ')}" for k, n in reasons[:6])
-    if len(reasons) > 6:
-        detail += f"; and {len(reasons) - 6} more kinds"
-    head = (f"search: no valid candidate on {world} ranks ({result.pruned_count} pruned, "
-            + ("none left to predict)" if not result.evaluated else
-               "and every one that fit memory failed the model-structure checks)"))
+    rows = refusals(result)
+    total = space.layouts
+
+    def example(k: str) -> str:
+        return result.pruned_examples.get(k, k).rstrip(". ")
+
+    if rows and not lines:
+        k, n, _ = rows[0]
+        shown = sorted(result.pruned_layouts.get(k, ()))
+        where = f" ({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''})" if shown else ""
+        cause = f"{example(k)}, which rules out {n:,} of the {_layouts(total)}{where}"
+        if k.startswith("global batch "):
+            cause += f"; use {_batch_fix(result.global_batch, space.batch_dps)}"
+        if len(rows) > 1:
+            cause += "; the other refusals are listed below"
+        lines.append(f"Main cause: {cause}")
+
+    def item(k: str, n_layouts: int, n: int) -> str:
+        count = _layouts(n_layouts) + (f" ({n:,} candidates)" if n != n_layouts else "")
+        return f"{count}: {example(k)}"
+
+    detail = "; ".join(item(*r) for r in rows[:6])
+    if len(rows) > 6:
+        detail += f"; and {len(rows) - 6} more kinds"
+    head = (f"search: no valid candidate on {world} ranks ({_layouts(total)}; {result.pruned_count} refusals"
+            + (", none left to predict)" if not result.evaluated else
+               f", {len(result.evaluated)} predicted)"))
     return head + ". " + " ".join(l + "." for l in lines) + (" " if lines else "") + \
-        f"Pruned: {detail or 'nothing enumerated'}."
+        f"Refusals, batch arithmetic first, then by layouts removed: {detail or 'nothing enumerated'}."
 
 
 def _no_fit_message(result: SearchResult, info: ModelInfo, world: int, hw: Hardware, usable: float,
-                    options: SearchOptions) -> str:
+                    options: SearchOptions, space: Space) -> str:
     gib = _size
     per_param = 4 if info.param_dtype == "float32" else 2
     state = info.n_params * per_param + info.n_trainable * (per_param + 8)  # params + grads + Adam (fp32)
@@ -343,6 +416,9 @@ def _no_fit_message(result: SearchResult, info: ModelInfo, world: int, hw: Hardw
         head += f"; even the parameters and gradients alone need {gib(need)} per rank on the best mesh"
         mb = None
     fixes = []
+    batch = _batch_note(result, space)
+    if batch:  # layouts never predicted: the memory verdict covers only the others
+        fixes.append(f"{_batch_fix(result.global_batch, space.batch_dps)} ({batch.split(': ', 1)[1].split(';')[0]})")
     if devices > world:  # advising "at least N devices" with N <= the current count would be wrong
         fixes.append(f"more devices (parameters, gradients and Adam state alone need ~{gib(state)}: at least "
                      f"{devices} devices of this memory)")

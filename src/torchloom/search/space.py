@@ -38,23 +38,36 @@ EP_ITEM = ("expert_parallel", {})
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
+#: how the reasons of batch arithmetic begin (the global batch or a pinned micro-batch does not split): the
+#: search's summary of refusals lists them first, as the user's batch is the usual cause and the easiest fix
+BATCH_REASONS = ("global batch ", "micro-batch ")
+
+
 @dataclass
 class Pruned:
     """A candidate (or a whole group of them, ``label`` ending in ``*``) left out, and why (``memory``: by
-    the memory lower bound, not because it is invalid)."""
+    the memory lower bound, not because it is invalid); ``layout``: the mesh's label (``pp1 dpr2 dps1 tp1``)."""
 
     label: str
     reason: str
     memory: bool = False
+    layout: str = ""
 
 
 @dataclass
 class Space:
-    """The enumerated bases (no checkpointing yet) and what was pruned before any prediction."""
+    """The enumerated bases (no checkpointing yet) and what was pruned before any prediction.
+
+    Attributes:
+        meshes: layouts (mesh degrees) that produced candidates; ``layouts``: every layout looked at.
+        batch_dps: the data-parallel degrees whose layouts the global batch could not be split over.
+    """
 
     bases: list[Candidate]
     pruned: list[Pruned] = field(default_factory=list)
     meshes: int = 0
+    layouts: int = 0
+    batch_dps: set[int] = field(default_factory=set)
 
 
 def dp_spec(choice: str | None, dims: ParallelDims, offload: bool = False) -> tuple[str, dict[str, Any]] | None:
@@ -191,15 +204,25 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
     extras = user_method_options(options)
     space = Space(bases=[])
     for dims in _meshes(world_size, info, options):
+        space.layouts += 1
+        layout = mesh_label(dims)
         why = _mesh_pruned(dims, f, options, info, global_batch, ranks_per_node)
         if why:
-            space.pruned.append(Pruned(_mesh_label(dims) + " *", why))
+            if why.startswith("global batch "):
+                space.batch_dps.add(dims.dp)
+            space.pruned.append(Pruned(layout + " *", why, layout=layout))
+            continue
+        local, mb = global_batch // dims.dp, f.get("micro_batch")
+        if mb is not None and local % mb:
+            space.pruned.append(Pruned(layout + " *", f"micro-batch {mb} (pinned) does not divide the {local} samples "
+                                       f"per data-parallel rank (global batch {global_batch} / dp {dims.dp})",
+                                       layout=layout))
             continue
         space.meshes += 1
         choices = dp_choices_for(dims, allowed_dp)
         if dims.dp > 1 and not choices:
-            space.pruned.append(Pruned(_mesh_label(dims) + " *", "no allowed data-parallel method fits this mesh "
-                                       f"shape (allowed: {', '.join(allowed_dp)})"))
+            space.pruned.append(Pruned(layout + " *", "no allowed data-parallel method fits this mesh "
+                                       f"shape (allowed: {', '.join(allowed_dp)})", layout=layout))
             continue
         for choice in choices:
             if offload and choice in ("ddp", "zero1") and not (choice == "ddp" and dims.tp > 1):
@@ -207,9 +230,9 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
             if usable is not None and not offload:
                 need = state_lower_bound(info, dims, choice)
                 if need > usable:
-                    space.pruned.append(Pruned(f"{_mesh_label(dims)} {choice or 'none'} *",
+                    space.pruned.append(Pruned(f"{layout} {choice or 'none'} *",
                                                f"parameters + gradients alone need {_gib(need)} per rank > "
-                                               f"{_gib(usable)} usable", memory=True))
+                                               f"{_gib(usable)} usable", memory=True, layout=layout))
                     continue
             dp_item = dp_spec(choice, dims, offload)
             if offload and dp_item is None:
@@ -364,7 +387,8 @@ def _check(cand: Candidate, info: ModelInfo) -> str | None:
     return None
 
 
-def _mesh_label(d: ParallelDims) -> str:
+def mesh_label(d: ParallelDims) -> str:
+    """A layout's degrees in words: ``pp1 dpr2 dps1 tp1`` (``ep4`` added when > 1)."""
     return f"pp{d.pp} dpr{d.dp_replicate} dps{d.dp_shard}{f' ep{d.ep}' if d.ep > 1 else ''} tp{d.tp}"
 
 
@@ -373,4 +397,4 @@ def _gib(b: float) -> str:
 
 
 __all__ = ["Space", "Pruned", "enumerate_space", "ac_levels", "check", "with_extra", "dp_spec", "dp_choices_for",
-           "state_lower_bound", "ep_degrees", "BUILTIN_CHOICES"]
+           "state_lower_bound", "ep_degrees", "mesh_label", "BATCH_REASONS", "BUILTIN_CHOICES"]
