@@ -16,14 +16,22 @@ import yaml
 
 from .config import ConfigError, TrainConfig
 
-#: the fields that define the model a run's checkpoints hold (dotted keys of :class:`TrainConfig`). The
-#: ``model.moe.*`` keys count only for a Mixture-of-Experts model (``num_experts > 0``); ``aux_loss_weight``
-#: and ``router_jitter_noise`` shape the training objective, not the parameters, and may change.
-MODEL_KEYS = (
-    "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
-    "model.intermediate_size", "model.seq_len", "model.tie_embeddings", "model.rope_theta",
-    "model.moe.num_experts", "model.moe.top_k", "data.eval_plays",
-)
+#: ``model`` fields that shape the training objective, not the parameters or the data: they may change between
+#: runs of one output dir. Every other field of the ``model`` section defines the model (a field added to
+#: ``ModelConfig`` later counts too unless it is named here).
+OBJECTIVE_KEYS = ("model.moe.aux_loss_weight", "model.moe.router_jitter_noise")
+
+
+def _flat(data: Mapping[str, Any], prefix: str) -> list[str]:
+    return [k for key, v in data.items()
+            for k in (_flat(v, f"{prefix}{key}.") if isinstance(v, Mapping) else [f"{prefix}{key}"])]
+
+
+#: the fields that define the model a run's checkpoints hold (dotted keys of :class:`TrainConfig`): the ``model``
+#: section but :data:`OBJECTIVE_KEYS`, and ``data.eval_plays`` (the tokenizer is trained on the other plays). The
+#: ``model.moe.*`` keys count only for a Mixture-of-Experts model (``num_experts > 0``).
+MODEL_KEYS = tuple(k for k in _flat(TrainConfig().to_dict()["model"], "model.") if k not in OBJECTIVE_KEYS) + (
+    "data.eval_plays",)
 
 #: files of a run that trained (or started to): an output dir without any keeps nothing a new run could lose
 RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors", "model.safetensors.index.json")
