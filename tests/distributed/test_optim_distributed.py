@@ -1,12 +1,14 @@
 """AGD as ``optim_func`` of ``auto_accelerate`` on 2 gloo ranks (tiny Llama, 3 steps, global batch 8)
 against a single-process AGD run with the same global batch.
 
-Tolerances: losses rtol 1e-5; parameters atol 2e-5 for ddp/fsdp/zero1 (lr 1e-2: coordinates move up to
-3e-2). The differences come only from the order of the gradient reduction (sum of per-rank means vs one
-batch mean, ~1e-7 relative), which AGD's division by max(sqrt(b_hat), delta) amplifies where b_hat is
-small. Tensor parallelism also splits the matmuls and the vocabulary, so a few coordinates differ more:
-atol 2e-4 with at most 0.1% of the elements beyond 2e-5 (as tests/distributed/test_tensor_parallel.py
-does for Adam). foreach and per-tensor runs of one strategy are compared exactly.
+Tolerances: losses rtol 1e-5; parameters (lr 1e-2: coordinates move up to 3e-2) atol 2e-4 with at most 0.1%
+of the elements beyond 2e-5 (as tests/distributed/test_tensor_parallel.py does for Adam). The differences come
+only from rounding: the order of the gradient reduction (sum of per-rank means vs one batch mean, ~1e-7
+relative), the matmul blocking of another micro-batch or a tensor-parallel split, which AGD's division by
+max(sqrt(b_hat), delta) amplifies where b_hat is small. How far the few amplified coordinates land depends on
+the CPU's kernels: on an AVX2 AMD EPYC one coordinate of ddp with accumulation landed 2.6e-5 away (the
+earlier all-elements atol 2e-5 held on the machine it was written on). A missing or wrong gradient
+reduction moves most coordinates. foreach and per-tensor runs of one strategy are compared exactly.
 """
 import pytest
 import torch
@@ -59,7 +61,7 @@ def test_agd_matches_single_process_under_ddp_fsdp_zero1_tp(outs, ref):
     moved = max((ref[1][k] - v).abs().max().item() for k, v in tiny_llama().state_dict().items())
     assert moved > 1e-2, moved  # the tolerance is well below the distance travelled
     for name in CONFIGS:
-        _assert_matches(name, outs[0][name], ref, atol=2e-4 if name.startswith("tp") else 2e-5)
+        _assert_matches(name, outs[0][name], ref, atol=2e-4)
         for k, v in outs[0][name]["params"].items():
             assert torch.equal(v, outs[1][name]["params"][k]), f"{name}: {k} differs across ranks"
         assert outs[0][name]["steps"] == [float(STEPS)], (name, outs[0][name]["steps"])

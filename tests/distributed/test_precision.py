@@ -143,8 +143,10 @@ def test_fp16_scale_backs_off_and_grows_like_grad_scaler():
 # ------------------------------------------------------------------------------------ BatchNorm CNN
 # (rtol, atol) per replay. fp32 master weights: the 2-way statistics average is a gloo all-reduce in another
 # order (rtol 1e-5 / atol 1e-6). half: bf16 weights, and FSDP reduce-scatters bf16 gradients in another
-# rounding than the replay's bf16 sum, so an element may land one bf16 step away (rtol 2**-7 = 2 steps).
-CNN_TOL = {"fsdp_mp": (1e-5, 1e-6), "autocast": (1e-5, 1e-6), "half": (2.0**-7, 1e-6)}
+# rounding than the replay's bf16 sum, so an element may land a bf16 step away after one step, and the steps
+# compound: rtol 2**-6 (2 to 4 bf16 steps; one conv weight landed 3 steps away on an AVX2 AMD EPYC, where
+# 2**-7 had held on the machine the test was written on). The fp32 replay stays outside it (asserted below).
+CNN_TOL = {"fsdp_mp": (1e-5, 1e-6), "autocast": (1e-5, 1e-6), "half": (2.0**-6, 1e-6)}
 
 
 def _close(a, b, tol) -> bool:
