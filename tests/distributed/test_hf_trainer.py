@@ -294,6 +294,43 @@ def test_lora_checkpoints_hold_the_adapter_only_and_resume_bitwise(tmp_path):
 
 
 @pytest.mark.distributed
+def test_refusals_advise_what_a_trainer_user_can_do(tmp_path):
+    """save_model into a folder holding another model, and a resume whose adapters differ from the checkpoint's, are
+    refused with advice a TorchloomTrainer user can follow: save_model takes no overwrite=True and train() no
+    strict=False, so neither is offered as the fix."""
+    peft = pytest.importorskip("peft")
+    from torchloom.errors import CheckpointError
+    from torchloom.hf import TorchloomTrainer, save_pretrained
+
+    def trainer(targets, **kw):
+        cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+        args = w.training_args(str(tmp_path / "run"), max_steps=2, save_steps=2, warmup_steps=0, **kw)
+        return TorchloomTrainer(model=peft.get_peft_model(w.tiny_llama(0.0), cfg), args=args,
+                                train_dataset=w.samples(8, 1), torchloom_strategy=[])
+
+    t = trainer(["q_proj", "v_proj"])
+    t.train()
+    other = tmp_path / "other"
+    save_pretrained(w.tiny_llama(0.0), other)  # a full model where the adapter would go
+    before = sorted(p.name for p in other.iterdir())
+    with pytest.raises(CheckpointError) as e:
+        t.save_model(str(other))
+    msg = str(e.value)
+    assert "holds a full model" in msg and "nothing was written" in msg and "Pass overwrite=True" not in msg, msg
+    assert "another TrainingArguments.output_dir" in msg and f"delete {other} first" in msg
+    assert f"torchloom.hf.save_pretrained(trainer.torchloom.model, '{other}', overwrite=True)" in msg
+    assert sorted(p.name for p in other.iterdir()) == before  # no adapter, no training_args.bin
+
+    resumed = trainer(["q_proj", "k_proj", "v_proj"], save_strategy="no")
+    with pytest.raises(CheckpointError) as e:
+        resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    msg = str(e.value)
+    assert "trainable in the model but not in the checkpoint" in msg and "strict=False" not in msg, msg
+    assert "TorchloomTrainer resumes strictly" in msg and "train without resume_from_checkpoint" in msg
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2"]  # nothing trained
+
+
+@pytest.mark.distributed
 def test_reduce_lr_on_plateau_is_stepped_by_evaluation_not_every_step(tmp_path):
     """A metric-driven scheduler is stepped by the Trainer after each evaluation (train_step would call it
     without the metric at the first optimizer step)."""

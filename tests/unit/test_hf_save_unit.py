@@ -279,3 +279,95 @@ def test_an_adapter_in_a_sub_folder_leaves_the_model_beside_it(tmp_path):
     after = _files(d)
     assert {k: v for k, v in after.items() if k in before} == before
     assert {"mine/adapter_config.json", "mine/adapter_model.safetensors"} <= after.keys()
+
+
+# ------------------------------------------------------------------- the same model, field by field
+def test_a_config_json_no_hugging_face_save_wrote_is_refused(tmp_path, monkeypatch):
+    """The user's own config.json (no model_type) is not an earlier save of any model: refused for a full model
+    and for an adapter (peft's save would delete it as the other kind's file); overwrite=True replaces it."""
+    from peft import LoraConfig, get_peft_model
+
+    d = tmp_path / "exp"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"lr": 0.1, "my": "experiment"}))
+    (d / "notes.txt").write_text("mine")
+    _refused(tiny_llama(0), d, r"holds a config.json that is not a Hugging Face model config \(no model_type; its "
+                               r"keys: lr, my\): config.json; this save writes a full model", monkeypatch)
+    _refused(get_peft_model(tiny_llama(0), LoraConfig(r=2, target_modules=["q_proj"])), d,
+             "holds a config.json that is not a Hugging Face model config", monkeypatch)
+    a = tmp_path / "adapter"
+    a.mkdir()
+    (a / "adapter_config.json").write_text(json.dumps({"rank": 8}))
+    _refused(get_peft_model(tiny_llama(0), LoraConfig(r=2, target_modules=["q_proj"])), a,
+             r"an adapter_config.json that is not a peft adapter config \(no peft_type", monkeypatch)
+    save_pretrained(tiny_llama(0), d, overwrite=True)
+    assert json.loads((d / "config.json").read_text())["model_type"] == "llama"
+    assert (d / "notes.txt").read_text() == "mine"
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64)
+    return LlamaForCausalLM(LlamaConfig(**{**base, **kw}))
+
+
+def test_the_same_type_and_class_with_another_architecture_is_refused(tmp_path, monkeypatch):
+    """A sharded Llama of hidden size 64 and 3 layers (written by transformers itself, as a download is) is
+    another model than a Llama of hidden size 32 and 2 layers, though model_type and class agree: refused,
+    naming the differing fields; its shards stay."""
+    d = tmp_path / "llama"
+    tiny_llama(0, layers=3).save_pretrained(d, max_shard_size="60KB")
+    shards = sorted(p.name for p in d.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 2
+    _refused(_llama(), d, r"holds a full model \(model_type 'llama', LlamaForCausalLM\).*another model \(.*"
+                          r"hidden_size 64 there, 32 in this save; intermediate_size 128 there, 64 in this save; "
+                          r".*num_hidden_layers 3 there, 2 in this save", monkeypatch)
+    assert sorted(p.name for p in d.glob("model-*-of-*.safetensors")) == shards
+
+
+def test_a_re_save_after_more_training_is_the_same_model(tmp_path, monkeypatch):
+    """What legitimately changes between saves of one model (weights, the dtype, runtime and generation
+    switches, dropout, the tokenizer's pad id, the label names) does not make it another model: no switch
+    needed; a size that changes does."""
+    d = tmp_path / "out"
+    model = _llama()
+    model.save_pretrained(d)  # transformers' own file first: the one a fine-tune starts from
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    model.config.use_cache = False
+    model.config.pad_token_id = 0
+    model.config.attention_dropout = 0.1
+    model.config.output_hidden_states = True
+    model.config.id2label = {0: "negative", 1: "positive"}
+    save_pretrained(model.to(torch.bfloat16), d)
+    assert json.loads((d / "config.json").read_text())["dtype"] == "bfloat16"
+    _refused(_llama(rms_norm_eps=1e-3), d, r"another model \(rms_norm_eps 1e-06 there, 0.001 in this save\)",
+             monkeypatch)  # a field that changes what the weights compute
+    _refused(_llama(num_hidden_layers=3), d, r"another model \(num_hidden_layers 2 there, 3 in this save\)", monkeypatch)
+
+
+def test_an_adapter_with_other_fields_is_refused_when_no_base_is_named(tmp_path, monkeypatch):
+    """Two adapters with no base model named (both None) are told apart by their fields (r, target_modules,
+    lora_alpha, ...); the same adapter saved again (inference_mode flipped, target_modules in another order)
+    is not refused."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora(**kw):
+        m = get_peft_model(tiny_llama(0), LoraConfig(**{"r": 2, "target_modules": ["q_proj", "v_proj"], **kw}))
+        m.peft_config["default"].base_model_name_or_path = None
+        return m
+
+    d = tmp_path / "adapter"
+    save_pretrained(lora(), d)
+    assert json.loads((d / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    again = lora(target_modules=["v_proj", "q_proj"])
+    again.peft_config["default"].inference_mode = True
+    save_pretrained(again, d)
+    _refused(lora(r=4, lora_alpha=16), d, r"another model \(lora_alpha 8 there, 16 in this save; r 2 there, 4 in "
+                                          r"this save\)", monkeypatch)
+    _refused(lora(target_modules=["q_proj", "k_proj", "v_proj"]), d,
+             r'target_modules \["q_proj", "v_proj"\] there, \["k_proj", "q_proj", "v_proj"\] in this save',
+             monkeypatch)

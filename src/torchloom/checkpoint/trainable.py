@@ -34,6 +34,8 @@ from torchloom.errors import CheckpointError
 log = logging.getLogger("torchloom.checkpoint")
 RECORD = "trainable_only"
 REL_TOL = 1e-6  # float64 sums of the same values in another shard order differ by ~1e-16 * n relative
+#: the advice a strict refusal ends with (reworded for TorchloomTrainer: torchloom.hf.trainer_errors)
+STRICT_ADVICE = "Pass strict=False to load the overlap anyway (with a warning)"
 _CHUNK = 1 << 24  # elements converted to float64 at a time (bounded extra memory)
 
 
@@ -156,7 +158,7 @@ def _report(problems: list[str], where: str, strict: bool) -> None:
         return
     text = f"trainable-only checkpoint {where}: " + "; ".join(problems)
     if strict:
-        raise CheckpointError(text + ". Pass strict=False to load the overlap anyway (with a warning)")
+        raise CheckpointError(f"{text}. {STRICT_ADVICE}")
     log.warning(text)
     warnings.warn(text, stacklevel=4)
 
@@ -242,5 +244,5 @@ def check_load(rec: dict, model: nn.Module, saved_keys: set[str], *, strict: boo
     run_everywhere(lambda: _report(problems, where, strict), f"loading {where}")
 
 
-__all__ = ["RECORD", "REL_TOL", "check_load", "check_no_frozen_state", "frozen_fingerprint", "param_sets", "record",
-           "saved_model_keys"]
+__all__ = ["RECORD", "REL_TOL", "STRICT_ADVICE", "check_load", "check_no_frozen_state", "frozen_fingerprint",
+           "param_sets", "record", "saved_model_keys"]

@@ -58,6 +58,8 @@ from torchloom.errors import CheckpointError
 
 TRAINER_STATE = "trainer_state.json"
 TRAINER_STATE_FORMAT = "torchloom.checkpoint.trainer_state/1"
+#: the advice a strict model-key mismatch ends with (reworded for TorchloomTrainer: torchloom.hf.trainer_errors)
+STRICT_ADVICE = "Load with strict=False to load the overlap"
 RNG_DIR = "rng"
 # 2: optimizer state written by optimizer_state.encode (no zero-lr step before saving an empty optimizer)
 OPTIMIZER_ENCODING = 2
@@ -145,8 +147,7 @@ def _check_model_keys(live: Live, want: set[str], have: set[str], where: str, *,
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint {where} does not match the model (strict=True): missing {len(missing)} keys "
-            f"{missing[:5]}, unexpected {len(unexpected)} keys {unexpected[:5]}. Load with strict=False "
-            f"to load the overlap."
+            f"{missing[:5]}, unexpected {len(unexpected)} keys {unexpected[:5]}. {STRICT_ADVICE}."
         )
 
 
@@ -409,7 +410,7 @@ def restore_rng_file(path: Path) -> None:
 
 
 __all__ = [
-    "Live", "RNG_DIR", "TRAINER_STATE", "TRAINER_STATE_FORMAT", "catalogue_from_metadata", "document_text",
-    "encode_document", "encode_rng", "encode_tensors", "parse_document", "read_document", "restore_document",
-    "restore_rng_file", "restore_tensors", "rng_file", "rng_source", "write_rank_file",
+    "Live", "RNG_DIR", "STRICT_ADVICE", "TRAINER_STATE", "TRAINER_STATE_FORMAT", "catalogue_from_metadata",
+    "document_text", "encode_document", "encode_rng", "encode_tensors", "parse_document", "read_document",
+    "restore_document", "restore_rng_file", "restore_tensors", "rng_file", "rng_source", "write_rank_file",
 ]

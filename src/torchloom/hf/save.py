@@ -69,12 +69,17 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, tokeniz
     ``adapter_config.json`` are removed first and put back last, so an interrupted save never leaves a
     directory ``from_pretrained`` would load.
 
-    An existing folder may hold an earlier save of the same model (a full model of the same ``model_type`` and
-    class, or a peft adapter of the same ``peft_type`` and base model): its weight files that this save does
-    not rewrite (e.g. shards of a smaller ``max_shard_size``) are deleted, so old and new weights never mix.
-    A folder holding another model (another ``model_type`` or class, another adapter, a full model where the
-    adapter goes or the reverse) is refused unless ``overwrite=True``. Files no Hugging Face or peft save
-    writes are never deleted (an existing ``README.md`` is not overwritten either).
+    An existing folder may hold an earlier save of the same model: a full model whose ``config.json`` has the
+    same ``model_type``, lists this class among its ``architectures`` and agrees on every model-defining field
+    (sizes, layers, heads, vocabulary, ...: all but the dtype, transformers version, generation settings,
+    runtime switches such as ``use_cache``, dropout rates and initialisation ranges), or a peft adapter with the
+    same ``peft_type``, base class, base model (where both name one) and adapter fields (``r``, ``lora_alpha``,
+    ``target_modules``, ``modules_to_save``, ``task_type``, ...); see :mod:`torchloom.hf.save_target`. Its weight
+    files that this save does not rewrite (e.g. shards of a smaller ``max_shard_size``) are deleted, so old and
+    new weights never mix. A folder holding anything else (another ``model_type``, class or architecture,
+    another adapter, a ``config.json`` no Hugging Face save wrote, a full model where the adapter goes or the
+    reverse) is refused, naming the differing fields, unless ``overwrite=True``. Files no Hugging Face or peft
+    save writes are never deleted (an existing ``README.md`` is not overwritten either).
 
     Args:
         model: the (wrapped) model, on every rank.
@@ -100,7 +105,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, tokeniz
             ``save_pretrained`` (every rank, before anything is gathered).
         NotImplementedError: a ``PeftModel`` under pipeline parallelism.
         CheckpointError: on every rank: ``save_directory`` holds another model and ``overwrite`` is False, or
-            is not a directory (before anything is gathered; naming what is there and ``overwrite=True``);
+            is not a directory (before anything is gathered; naming what is there, how it differs and
+            ``overwrite=True``);
             writing failed on rank 0; the gathered names do not match the plain model's (naming them); two
             tied names hold different values.
     """

@@ -457,7 +457,10 @@ class TorchloomTrainer(Trainer):
         if isinstance(self.lr_scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)):
             res.train_step.lr_scheduler = None  # metric-driven: the Trainer steps it after each evaluation
         if resume_from_checkpoint is not None:
-            self._tl_load(resume_from_checkpoint)
+            from torchloom.hf.trainer_errors import resume_advice
+
+            with resume_advice(str(resume_from_checkpoint)):  # train() takes no strict=False: say what does work
+                self._tl_load(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
@@ -665,7 +668,10 @@ class TorchloomTrainer(Trainer):
         A Hugging Face model (``PreTrainedModel`` or ``PeftModel``): :func:`torchloom.hf.save_pretrained`
         (``from_pretrained``-loadable; a PEFT model's adapter). Any other module: its state dict as
         ``model.safetensors`` (:func:`torchloom.checkpoint.export_safetensors`; tied weights stored once and
-        restored by :func:`torchloom.checkpoint.load_safetensors`). Collective: every rank."""
+        restored by :func:`torchloom.checkpoint.load_safetensors`). Collective: every rank. An
+        ``output_dir`` holding another model is refused (``CheckpointError`` naming it, before anything is written;
+        :mod:`torchloom.hf.trainer_errors`: another directory, or ``torchloom.hf.save_pretrained(...,
+        overwrite=True)``)."""
         from transformers import PreTrainedModel
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -673,8 +679,10 @@ class TorchloomTrainer(Trainer):
             self.data_collator, "tokenizer", None)
         if isinstance(self.model, PreTrainedModel) or _is_peft_model(self.model):
             from torchloom.hf import save_pretrained
+            from torchloom.hf.trainer_errors import save_model_advice
 
-            save_pretrained(self.torchloom.model, output_dir, tokenizer=tokenizer)
+            with save_model_advice(output_dir):  # save_model takes no overwrite=True: say what does work
+                save_pretrained(self.torchloom.model, output_dir, tokenizer=tokenizer)
         else:  # as the Trainer for a plain module: "only saving its state dict"
             from transformers.utils import SAFE_WEIGHTS_NAME
 
