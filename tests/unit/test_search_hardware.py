@@ -40,7 +40,8 @@ def test_threads_per_rank_follows_omp_or_cores(monkeypatch):
 PROBE = 1e9  # the re-check probe's FLOP/s recorded in _fake_hw (and returned by `counted`'s probe)
 QUIET = {"method": "/proc/stat", "cores": 2, "ranks": 1, "threads_per_rank": 1, "cores_used": 1,
          "other_busy_cores": 0.0, "stolen_fraction": 0.0, "threshold": 0.2, "under_load": False,
-         "loadavg_1m": 0.1, "wall_s": 1.0, "probe_flops": PROBE}
+         "loadavg_1m": 0.1, "wall_s": 1.0, "probe_flops": PROBE, "probe_workers": 1,
+         "probe_version": calibrate.PROBE_VERSION}
 
 
 def _fake_hw(ranks: int, fp=None, threads=None, load=None) -> Hardware:
@@ -56,10 +57,10 @@ def _fake_hw(ranks: int, fp=None, threads=None, load=None) -> Hardware:
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Replace the spawning measurement by a counter returning a hand-built Hardware, and the cached
-    calibration's re-check probe by the rate it recorded (the machine unchanged)."""
+    """Replace the spawning measurement by a counter returning a hand-built Hardware, and the load measured
+    before a cache is used by the quiet record with the probe rate it recorded (the machine unchanged)."""
     calls = []
-    monkeypatch.setattr(calibrate, "_probe", lambda device, threads: PROBE)
+    monkeypatch.setattr(calibrate, "measure_now", lambda device, threads, ranks: dict(QUIET))
 
     def fake(ranks, budget_s=0, **kw):
         calls.append(ranks)
@@ -213,13 +214,14 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
     # the load it ran under is recorded (whatever it was: other tests share this machine)
     assert hw.load["method"] in ("/proc/stat", "loadavg") and hw.load["probe_flops"] > 0
     assert hw.load["ranks"] == ranks and hw.provisional == hw.load["under_load"]
+    assert hw.load["probe_workers"] == ranks and hw.load["probe_version"] == calibrate.PROBE_VERSION  # its layout
 
 
 def test_real_calibration_on_two_gloo_ranks(tmp_path, monkeypatch):
     # without OMP_NUM_THREADS each of 2 ranks gets cores // 2 threads, as `loom run` gives them
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    # the re-check (test_calibration_load.py, injected probes) could rightly re-measure on a shared machine
-    monkeypatch.setattr(calibrate, "RECHECK_RATIO", float("inf"))
+    # the re-check (test_calibration_load.py, injected load) could rightly re-measure on a shared machine
+    monkeypatch.setattr(calibrate, "recheck", lambda hw, path, now: True)
     hw = calibrate.local_hardware(2, cache_dir=tmp_path, budget_s=0.5, **QUICK)
     _check_measured(hw, 2)
     assert hw.threads_per_rank == calibrate.threads_per_rank(2) == max(1, len(os.sched_getaffinity(0)) // 2)
@@ -227,7 +229,7 @@ def test_real_calibration_on_two_gloo_ranks(tmp_path, monkeypatch):
 
 
 def _job_twice(cache_dir: str) -> tuple[dict, dict]:
-    calibrate.RECHECK_RATIO = float("inf")  # as in test_real_calibration_on_two_gloo_ranks (this process only)
+    calibrate.recheck = lambda hw, path, now: True  # as in test_real_calibration_on_two_gloo_ranks (this rank only)
     first = calibrate.job_hardware(cache_dir=cache_dir, budget_s=0.5, **QUICK)
 
     def refuse(*a, **k):

@@ -12,13 +12,17 @@ Three ways in:
 Cache: ``<dir>/<fingerprint-hash>-w<ranks per node>[-n<nodes>].json`` with ``<dir>`` = ``cache_dir``, else
 ``$TORCHLOOM_CACHE_DIR/hardware``, else ``$TORCHLOOM_CACHE/hardware``, else ``~/.cache/torchloom/hardware``.
 A file that cannot be read, or that holds another machine's fingerprint, ranks per node or thread count, or
-no record of the machine's load, is ignored with a warning and re-measured. ``loom calibrate`` refreshes it.
+no record of the machine's load and layout probe, is ignored with a warning and re-measured. ``loom calibrate``
+refreshes it.
 
 Load: every calibration records the load it ran under (:mod:`torchloom.search.load`); one taken under load
 is cached as ``provisional`` (never over a quiet one) and warned about. Before a cached calibration is
-trusted, a ~0.1 s matmul probe (:func:`recheck`) is compared with the same probe taken when it was measured:
-:data:`RECHECK_RATIO` times faster now means the cache was measured under load (re-measured); as much slower
-means the machine is loaded now (the cache is kept, with a warning). See ``docs/calibration.md``.
+trusted, the load is measured *now* (:func:`measure_now`: a :data:`microbench.PROBE_S` window of
+``/proc/stat`` around a matmul probe run in the calibration's layout, all ranks' worth of threads at once)
+and :func:`recheck` decides: a provisional cache on a quiet machine is re-measured; a quiet one whose probe
+reads :data:`RECHECK_RATIO` times faster now was measured under load nobody noticed (re-measured); a machine
+under load now keeps the cache, with a warning that timings measured now are disturbed. No re-measurement
+is started on a machine under load. See ``docs/calibration.md``.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from .hardware import COLLECTIVES, CollectiveFit, Hardware
 DEFAULT_BUDGET_S = 10.0  # measurement time; spawning the ranks adds 5-10 s on a loaded 2-core machine
 COMPUTE_SHARE = 0.3  # of the budget: matmul, memory, overhead; the rest goes to the collectives
 RECHECK_RATIO = 1.3  # re-check probe now vs when calibrated: faster by more -> the cache was taken under load
+PROBE_VERSION = 2  # 2: the probe runs the calibration's layout (all ranks as threads); 1 was rank 0 alone
 
 
 # -------------------------------------------------------------------------------------------- fingerprint
@@ -144,7 +149,8 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
     large messages on a slow backend can exceed it (the wall time is recorded in ``sources``).
 
     The load the measurement ran under is recorded (``load``: :func:`torchloom.search.load.assess`, plus
-    ``probe_flops``, the re-check probe rank 0 runs alone first); under load the result is ``provisional``.
+    ``probe_flops`` and ``probe_workers``: the re-check probe, :func:`measure_now`'s, that rank 0 runs first
+    with ``ranks_per_node`` threads while the other ranks wait); under load the result is ``provisional``.
 
     Raises:
         HardwareError: no initialised process group, or a group size that does not divide into nodes.
@@ -168,8 +174,10 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
     gsizes = _divisors(local)
 
     window = machine_load.LoadWindow()  # every rank: its own CPU time, and the host's, while measuring
-    # the re-check probe, rank 0 alone (the others wait): what a later recheck() compares with
-    probe = mb.solo_matmul_rate(device) if dist.get_rank() == members[0] else 0.0
+    # the re-check probe as measure_now() runs it (rank 0, the node's ranks as threads; the other ranks wait):
+    # what a later recheck() compares with
+    threads, workers = torch.get_num_threads(), _probe_workers(device, local)
+    probe = _probe(device, threads, workers) if dist.get_rank() == members[0] else 0.0
     timer.slowest(0.0)
 
     n_compute = len(dtypes) * len(msizes) + 2
@@ -197,8 +205,7 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
     rows: list[Any] = [None] * world
     dist.all_gather_object(rows, window.finish(), group=group)
     load = machine_load.assess(rows, torch.get_num_threads())
-    load.update(probe_flops=probe, probe=f"float32 {mb.PROBE_N.get(device.type, 1024)}^2 matmul, best of >= 3, "
-                f"rank 0 alone with {torch.get_num_threads()} thread(s)")
+    load.update(_probe_record(device, probe, workers, threads))
 
     peaks, peak_source = _peaks(device, matmul)
     hw = Hardware(
@@ -297,53 +304,119 @@ def load_cached(path: Path, fp: dict[str, Any], ranks_per_node: int, threads: in
         warnings.warn(f"calibration cache {path} was measured for another setup ({diff}); re-measuring.",
                       stacklevel=3)
         return None
-    if not hw.load.get("probe_flops"):
-        warnings.warn(f"calibration cache {path} records no machine load (written by an older torchloom): it may "
+    if not _current_probe(hw):
+        what = "no machine load" if not hw.load.get("probe_flops") else "an older re-check probe (rank 0 alone)"
+        warnings.warn(f"calibration cache {path} records {what} (written by an older torchloom): it may "
                       "have been measured while other jobs ran; re-measuring.", stacklevel=3)
         return None
     return hw
 
 
-def _probe(device: torch.device, threads: int) -> float:
-    """The re-check probe (:func:`microbench.solo_matmul_rate`) with ``threads`` intra-op threads."""
+def _current_probe(hw: Hardware) -> bool:
+    """Whether ``hw`` records its load and a re-check probe of this version (comparable with one now)."""
+    return bool(hw.load.get("probe_flops")) and hw.load.get("probe_version") == PROBE_VERSION
+
+
+def _probe_workers(device: torch.device, ranks_per_node: int) -> int:
+    """Threads the re-check probe runs: the job's ranks per node on CPU (their cores), 1 on a GPU."""
+    return max(1, int(ranks_per_node)) if device.type == "cpu" else 1
+
+
+def _probe(device: torch.device, threads: int, workers: int) -> float:
+    """The re-check probe (:func:`microbench.layout_matmul_rate`): ``workers`` threads with ``threads``
+    intra-op threads each, for :data:`microbench.PROBE_S` seconds; FLOP/s of the slowest worker."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return mb.solo_matmul_rate(device)
+        return mb.layout_matmul_rate(device, workers)
     finally:
         torch.set_num_threads(before)
 
 
-def recheck(hw: Hardware, path: Path, device: torch.device, threads: int) -> bool:
-    """Whether the cached ``hw`` still describes this machine: one ~0.1 s matmul probe now, with ``threads``
-    threads, compared with the probe recorded when ``hw`` was measured (``hw.load["probe_flops"]``).
+def _probe_record(device: torch.device, flops: float, workers: int, threads: int) -> dict[str, Any]:
+    return {"probe_flops": flops, "probe_workers": workers, "probe_version": PROBE_VERSION,
+            "probe": f"float32 {mb.PROBE_N.get(device.type, 1024)}^2 matmul for {mb.PROBE_S} s, best call of each "
+                     f"of {workers} thread(s) at once ({threads} intra-op thread(s) each), the slowest kept"}
 
-    - now faster by more than :data:`RECHECK_RATIO`: the cache was measured under load -> False (re-measure),
-      with a warning;
-    - now slower by as much: other processes are using the machine now -> True (the cache is kept), with a
-      warning that timings measured now are disturbed;
-    - otherwise True; a provisional (measured under load) cache is warned about.
+
+def measure_now(device: torch.device, threads: int, ranks_per_node: int) -> dict[str, Any]:
+    """The machine now, as a cached calibration of ``ranks_per_node`` ranks x ``threads`` threads would
+    see it, in this process (~:data:`microbench.PROBE_S` s): a :class:`~torchloom.search.load.LoadWindow`
+    around the re-check probe (:func:`_probe`), assessed for the calibration's layout. Returns
+    :func:`torchloom.search.load.assess`'s record plus ``probe_flops``/``probe_workers``; what
+    :func:`recheck` compares with the cache. Inside a job every rank calls :func:`_measure_now_in_group`."""
+    workers = _probe_workers(device, ranks_per_node)
+    window = machine_load.LoadWindow()
+    flops = _probe(device, threads, workers)
+    now = machine_load.assess([window.finish()], threads, ranks_per_host=ranks_per_node)
+    now.update(_probe_record(device, flops, workers, threads))
+    return now
+
+
+def _measure_now_in_group(device: torch.device, threads: int, ranks_per_node: int) -> dict[str, Any] | None:
+    """:func:`measure_now` inside a job (collective): every rank opens a load window (their own CPU time is
+    theirs, not other processes'), rank 0 runs the probe while the others wait; rank 0 gets the record,
+    the others None."""
+    workers = _probe_workers(device, ranks_per_node)
+    window = machine_load.LoadWindow()
+    flops = _probe(device, threads, workers) if dist.get_rank() == 0 else 0.0
+    dist.all_reduce(torch.zeros(1, device=device))  # the others wait for the probe inside their windows
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, window.finish())
+    if dist.get_rank() != 0:
+        return None
+    now = machine_load.assess(rows, threads)
+    now.update(_probe_record(device, flops, workers, threads))
+    return now
+
+
+def recheck(hw: Hardware, path: Path, now: dict[str, Any]) -> bool:
+    """Whether the cached ``hw`` may be used as it is, given the machine ``now`` (:func:`measure_now`'s
+    record: the load in the calibration's layout and the re-check probe, compared with
+    ``hw.load["probe_flops"]``). Never asks to re-measure on a machine under load now.
+
+    - ``hw`` is provisional (measured under load) and the machine is quiet now -> False (re-measure);
+      still under load -> True, with the provisional warning;
+    - quiet now and the probe :data:`RECHECK_RATIO` times faster than when calibrated: the cache was
+      measured under load that went unnoticed -> False (re-measure), with a warning;
+    - under load now, or the probe as much slower: True (kept), with a warning that timings measured now
+      (trials, tokens/s, MFU) are disturbed;
+    - otherwise True, silently.
     """
-    then = float(hw.load.get("probe_flops") or 0.0)
-    now = _probe(device, threads)
-    rates = f"probe {now / 1e9:.1f} GFLOP/s now, {then / 1e9:.1f} when calibrated"
-    if now > RECHECK_RATIO * then:
-        warnings.warn(f"calibration cache {path} was measured under load: this machine is {now / then:.1f}x faster "
-                      f"now ({rates}); re-measuring.", stacklevel=3)
-        return False
-    if now * RECHECK_RATIO < then:
-        warnings.warn(f"this machine runs {then / now:.1f}x slower now than when {path} was calibrated ({rates}; "
-                      f"load average {machine_load._loadavg() or '-'}): other processes are using it. The calibration is "
-                      "kept, but timings measured now (trials, tokens/s, MFU) are disturbed.", stacklevel=3)
+    then, flops = float(hw.load.get("probe_flops") or 0.0), float(now.get("probe_flops") or 0.0)
+    rates = f"probe {flops / 1e9:.1f} GFLOP/s now, {then / 1e9:.1f} when calibrated"
+    quiet = not now.get("under_load")
     if hw.provisional:
-        warnings.warn(_provisional_note(hw, f"calibration cache {path}"), stacklevel=3)
+        if quiet:
+            warnings.warn(f"calibration cache {path} is provisional (measured under load: "
+                          f"{machine_load.describe(hw.load)}) and the machine is quiet now "
+                          f"({machine_load.describe(now)}; {rates}); re-measuring.", stacklevel=3)
+            return False
+        warnings.warn(_provisional_note(hw, f"calibration cache {path}") + f" Now: {machine_load.describe(now)}.",
+                      stacklevel=3)
+        return True
+    if then and flops > RECHECK_RATIO * then:
+        if quiet:
+            warnings.warn(f"calibration cache {path} was measured under load: this machine is {flops / then:.1f}x "
+                          f"faster now ({rates}); re-measuring.", stacklevel=3)
+            return False
+        warnings.warn(f"calibration cache {path} reads low ({rates}), but the machine is under load now "
+                      f"({machine_load.describe(now)}): kept; it is re-measured at its first use on a quiet "
+                      "machine.", stacklevel=3)
+        return True
+    if not quiet or (then and flops * RECHECK_RATIO < then):
+        why = (f"busy now ({machine_load.describe(now)}; {rates})" if not quiet else
+               f"{then / max(flops, 1e-9):.1f}x slower now than when calibrated ({rates}; {machine_load.describe(now)})")
+        warnings.warn(f"this machine is {why}: the calibration {path} is kept, but timings measured now (trials, "
+                      "tokens/s, MFU) are disturbed.", stacklevel=3)
     return True
 
 
 def _provisional_note(hw: Hardware, what: str) -> str:
     return (f"{what} is provisional: measured under load ({machine_load.describe(hw.load)}); its rates may read "
-            f"low, so predicted step times run long. It is re-measured once a probe shows the machine faster; "
-            f"to force it, on a quiet machine: loom calibrate --refresh --nproc {hw.ranks_per_node}")
+            f"low, so predicted step times run long. It is re-measured at its first use on a quiet machine "
+            f"(the load is measured, ~{mb.PROBE_S} s, before a cache is used); to force it, on a quiet machine: "
+            f"loom calibrate --refresh --nproc {hw.ranks_per_node}")
 
 
 def _difference(have: dict, want: dict) -> str:
@@ -381,7 +454,7 @@ def store(path: Path, hw: Hardware) -> bool:
             old = None
         same = old is not None and (old.fingerprint, old.ranks_per_node, old.num_nodes, old.threads_per_rank) == (
             hw.fingerprint, hw.ranks_per_node, hw.num_nodes, hw.threads_per_rank)
-        if same and old.load.get("probe_flops") and not old.provisional:
+        if same and _current_probe(old) and not old.provisional:
             warnings.warn(f"calibration measured under load ({machine_load.describe(hw.load)}) is not cached: "
                           f"{path} holds a quiet one ({old.sources.get('matmul_flops', '')}), kept.", stacklevel=3)
             return False
@@ -418,9 +491,9 @@ def measure_standalone(ranks_per_node: int, budget_s: float = DEFAULT_BUDGET_S, 
 def local_hardware(ranks_per_node: int = 1, *, refresh: bool = False, cache_dir: str | os.PathLike | None = None,
                    budget_s: float = DEFAULT_BUDGET_S, **measure: Any) -> Hardware:
     """This machine as a job of ``ranks_per_node`` local ranks would see it: the cached calibration when
-    :func:`recheck` trusts it, or a fresh one (:func:`measure_standalone`, then cached by :func:`store`:
-    a provisional one never replaces a quiet one). ``refresh`` re-measures. ``measure`` goes to
-    :func:`measure_in_group` (``message_sizes``, ``matmul_sizes``: shorter sweeps for tests).
+    :func:`recheck` trusts it against :func:`measure_now` (~0.3 s), or a fresh one (:func:`measure_standalone`,
+    then cached by :func:`store`: a provisional one never replaces a quiet one). ``refresh`` re-measures.
+    ``measure`` goes to :func:`measure_in_group` (``message_sizes``, ``matmul_sizes``: shorter sweeps for tests).
 
     Raises:
         HardwareError: ``ranks_per_node`` < 1, or more ranks than GPUs on a CUDA machine.
@@ -432,7 +505,7 @@ def local_hardware(ranks_per_node: int = 1, *, refresh: bool = False, cache_dir:
     threads = threads_per_rank(ranks_per_node)
     hw = None if refresh else load_cached(path, fp, ranks_per_node, threads)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if hw is not None and not recheck(hw, path, device, threads):
+    if hw is not None and not recheck(hw, path, measure_now(device, threads, ranks_per_node)):
         hw = None
     if hw is None:
         hw = measure_standalone(ranks_per_node, budget_s, **measure)
@@ -444,7 +517,8 @@ def local_hardware(ranks_per_node: int = 1, *, refresh: bool = False, cache_dir:
 def job_hardware(refresh: bool = False, *, cache_dir: str | os.PathLike | None = None,
                  budget_s: float = DEFAULT_BUDGET_S, **measure: Any) -> Hardware:
     """Inside a job (every rank must call): the cached calibration for this machine, backend, ranks per node
-    (``$LOCAL_WORLD_SIZE``) and threads when :func:`recheck` (rank 0 alone) trusts it, or
+    (``$LOCAL_WORLD_SIZE``) and threads when :func:`recheck` trusts it (rank 0 decides, after every rank took
+    part in :func:`_measure_now_in_group`), or
     :func:`measure_in_group` on the live group (``measure`` is passed to it). Rank 0 decides and writes the
     cache (:func:`store`); every rank returns the same :class:`Hardware`.
 
@@ -458,17 +532,24 @@ def job_hardware(refresh: bool = False, *, cache_dir: str | os.PathLike | None =
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
     backend = str(dist.get_backend())
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-    box: list[Any] = [None]
+    threads = torch.get_num_threads()
+    cached: Hardware | None = None
+    path: Path | None = None
+    have = [False]
     if dist.get_rank() == 0:
         fp = fingerprint(backend)
         path = cache_path(fp, local, world // local, cache_dir)
-        hw = None if refresh else load_cached(path, fp, local, torch.get_num_threads(), world // local)
-        if hw is not None and not recheck(hw, path, device or torch.device("cpu"), torch.get_num_threads()):
-            hw = None
-        box = [hw.to_dict() if hw is not None else None]
-    dist.broadcast_object_list(box, src=0, device=device)
-    if box[0] is not None:
-        return Hardware.from_dict(box[0])
+        cached = None if refresh else load_cached(path, fp, local, threads, world // local)
+        have = [cached is not None]
+    dist.broadcast_object_list(have, src=0, device=device)
+    if have[0]:  # a cache to check: every rank takes part in measuring the load now
+        now = _measure_now_in_group(device or torch.device("cpu"), threads, local)
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            box = [cached.to_dict() if recheck(cached, path, now) else None]
+        dist.broadcast_object_list(box, src=0, device=device)
+        if box[0] is not None:
+            return Hardware.from_dict(box[0])
     hw = Hardware.from_dict(measure_in_group(budget_s, ranks_per_node=local, **measure))
     path = cache_path(hw.fingerprint, local, world // local, cache_dir)
     hw.sources["cache"] = str(path)

@@ -30,8 +30,8 @@ def format_table(hw: Hardware) -> str:
              + (f" x {hw.num_nodes} nodes" if hw.num_nodes > 1 else ""),
              f"  {hw.sources.get('matmul_flops', '')}; cache {hw.sources.get('cache', '-')}",
              f"  load: {describe(hw.load)}"
-             + (" -> PROVISIONAL: rates may read low; re-measured once the machine is measurably faster "
-                f"(or: loom calibrate --refresh --nproc {hw.ranks_per_node} on a quiet machine)"
+             + (" -> PROVISIONAL: rates may read low; re-measured at its first use on a quiet machine "
+                f"(or now: loom calibrate --refresh --nproc {hw.ranks_per_node} on a quiet machine)"
                 if hw.provisional else "")]
     lines.append("  matmul GFLOP/s per rank (square GEMM n^3, all ranks at once):")
     for dt, pts in hw.matmul_flops.items():

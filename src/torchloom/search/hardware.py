@@ -66,9 +66,10 @@ class Hardware:
         threads_per_rank: intra-op threads each rank computed with when measured (0 = not applicable:
             a table entry for a GPU).
         load: the machine load a calibration ran under (:func:`torchloom.search.load.assess`'s record, plus
-            ``probe_flops``: the re-check probe's FLOP/s then); empty for a table entry.
-        provisional: measured under load (``load["under_load"]``): the rates may read low, so a later quiet
-            re-check replaces it and it never replaces a quiet calibration in the cache.
+            ``probe_flops``/``probe_workers``/``probe_version``: the re-check probe then, run in the
+            calibration's layout); empty for a table entry.
+        provisional: measured under load (``load["under_load"]``): the rates may read low, so it is re-measured
+            at its first use on a quiet machine and it never replaces a quiet calibration in the cache.
     """
 
     name: str

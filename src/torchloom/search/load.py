@@ -93,12 +93,20 @@ class LoadWindow:
                 "loadavg_before": self.load_before, "loadavg_after": _loadavg(), "cores": len(_usable_cpus())}
 
 
-def assess(rows: list[dict[str, Any]], threads_per_rank: int, threshold: float = LOAD_THRESHOLD) -> dict[str, Any]:
+def assess(rows: list[dict[str, Any]], threads_per_rank: int, threshold: float = LOAD_THRESHOLD, *,
+           ranks_per_host: int | None = None) -> dict[str, Any]:
     """The load a measurement ran under, from every measuring rank's :meth:`LoadWindow.finish` row.
+
+    ``ranks_per_host``: the ranks the measurement stands for on each host when that is not one row per rank
+    (the re-check probe: one process running a job's ``ranks_per_node`` ranks as threads); default the rows
+    of that host.
 
     Returns (the worst host's): ``method`` (``"/proc/stat"`` or ``"loadavg"``), ``cores`` (usable), ``ranks``
     (on that host), ``threads_per_rank``, ``cores_used``, ``other_busy_cores``, ``stolen_fraction``,
     ``threshold``, ``under_load`` (bool), ``loadavg_1m`` (before the measurement) and ``wall_s``.
+
+    Raises:
+        ValueError: no rows.
     """
     hosts: dict[str, list[dict]] = {}
     for r in rows:
@@ -106,7 +114,7 @@ def assess(rows: list[dict[str, Any]], threads_per_rank: int, threshold: float =
     worst: dict[str, Any] | None = None
     for mine in hosts.values():
         first = mine[0]  # one /proc/stat reading per host: the host's ranks open and close their windows together
-        cores, ranks = max(1, int(first["cores"])), len(mine)
+        cores, ranks = max(1, int(first["cores"])), int(ranks_per_host or len(mine))
         used = min(cores, ranks * max(1, int(threads_per_rank)))
         if first["busy_s"] is not None:
             method = "/proc/stat"
@@ -124,6 +132,14 @@ def assess(rows: list[dict[str, Any]], threads_per_rank: int, threshold: float =
     if worst is None:
         raise ValueError("assess: no rows (every measuring rank must give its LoadWindow row).")
     return worst
+
+
+def compact(load: dict[str, Any]) -> dict[str, Any]:
+    """The few figures of an :func:`assess` record worth keeping next to a measured value (metrics records,
+    ``summary.json``): ``stolen_fraction``, ``other_busy_cores``, ``cores_used``, ``loadavg_1m``,
+    ``under_load`` and ``method``; ``{}`` for no record."""
+    keys = ("stolen_fraction", "other_busy_cores", "cores_used", "loadavg_1m", "under_load", "method")
+    return {k: load.get(k) for k in keys} if load else {}
 
 
 def describe(load: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ On CUDA, timing brackets the work with ``torch.cuda.synchronize``.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable
 
@@ -90,30 +91,72 @@ def matmul_rates(timer: Timer, dtype: torch.dtype, sizes, target_s: float) -> li
 
 
 PROBE_N = {"cpu": 512, "cuda": 4096}  # the re-check probe's GEMM: ~10 ms on a CPU core, ~0.2 ms on a GPU
+PROBE_S = 0.3  # the re-check probe's duration (and the load window around it): /proc/stat ticks are 10 ms
+_mm = torch.mm  # every probe GEMM calls this (tests count and pace the calls)
 
 
 def solo_matmul_rate(device: torch.device, dtype: torch.dtype = torch.float32, n: int | None = None,
-                     seconds: float = 0.1, samples: int = 3, max_samples: int = 50) -> float:
-    """FLOP/s of ``n x n @ n x n`` (default :data:`PROBE_N`) in this process alone (no process group): one
+                     seconds: float = 0.1, samples: int = 3, max_samples: int = 50,
+                     start: threading.Barrier | None = None) -> float:
+    """FLOP/s of ``n x n @ n x n`` (default :data:`PROBE_N`) in this thread alone (no process group): one
     untimed call, then single calls timed until ``seconds`` have passed and at least ``samples`` were timed
     (at most ``max_samples``); the fastest wins (load only ever adds time). The train job's peak benchmark
-    and the cached calibration's re-check probe."""
+    and each worker of :func:`layout_matmul_rate`. ``start``: a barrier passed after the untimed call, so
+    that several workers time at the same moment. The operands come from an own generator: the global
+    random stream (a training run's) is left as it was."""
     n = int(n or PROBE_N.get(device.type, 1024))
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
     c = torch.empty(n, n, device=device, dtype=dtype)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    torch.mm(a, b, out=c)
+    _mm(a, b, out=c)
     sync()
+    if start is not None:
+        start.wait()
     best, timed = float("inf"), 0
     deadline = _clock() + seconds
     while timed < max_samples and (timed < samples or _clock() < deadline):
         t = _clock()
-        torch.mm(a, b, out=c)
+        _mm(a, b, out=c)
         sync()
         best = min(best, _clock() - t)
         timed += 1
     return 2.0 * n ** 3 / max(best, 1e-12)
+
+
+def layout_matmul_rate(device: torch.device, workers: int = 1, dtype: torch.dtype = torch.float32,
+                       n: int | None = None, seconds: float = PROBE_S) -> float:
+    """The calibration's re-check probe: FLOP/s per worker of ``n x n`` GEMMs (default :data:`PROBE_N`)
+    with ``workers`` threads of this process computing **at the same moment** for ``seconds`` (each with
+    the caller's intra-op threads: ``workers x threads`` cores busy, as a job of ``workers`` ranks), each
+    the best of its single-call timings; the slowest worker's rate is returned (a step waits for its
+    slowest rank). One worker alone hardly notices other processes on a machine with free cores (the
+    scheduler finds it a core for its short calls); all of the job's workers at once are slowed as the
+    job's ranks are. On CUDA one worker on ``device`` (each rank has its own GPU)."""
+    workers = max(1, int(workers)) if device.type == "cpu" else 1
+    if workers == 1:
+        return solo_matmul_rate(device, dtype, n, seconds, max_samples=10_000)
+    start = threading.Barrier(workers)
+    rates, errors = [0.0] * workers, []
+
+    def work(i: int) -> None:
+        try:
+            rates[i] = solo_matmul_rate(device, dtype, n, seconds, max_samples=10_000, start=start)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+            start.abort()
+
+    pool = [threading.Thread(target=work, args=(i,), name=f"torchloom-probe-{i}", daemon=True)
+            for i in range(workers)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if errors:
+        raise (real or errors)[0]
+    return min(rates)
 
 
 def memory_bandwidth(timer: Timer, nbytes: int, target_s: float) -> float:

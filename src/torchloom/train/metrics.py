@@ -13,9 +13,12 @@ is routed to, :func:`active_params`), and ``mfu = flops_per_token * tokens_per_s
 world_size)``. ``peak_flops`` is per rank: a short matmul benchmark on CPU (in the compute dtype, with the
 threads this process has, run on every rank at once so shared cores are accounted for; best of >= 3 timings,
 the best rank kept) or the datasheet dense peak for known GPUs; ``peak_flops_source`` records which.
-:func:`job_peak_flops` also records the machine load the benchmark ran under, and :class:`MfuMeter` never
-reports an MFU above 1: a benchmark under load, or a step that achieves more than the peak (the peak read
-low), flags the records ``mfu_unreliable`` and an MFU that would exceed 1 is omitted (``null``).
+:func:`job_peak_flops` also records the machine load the benchmark ran under. A measured peak is taken again
+(~0.1 s) at each evaluation and checkpoint and the highest kept (:meth:`MfuMeter.offer`): a benchmark only
+ever reads low under load, so a low start is corrected as the run goes on; each record names the peak it
+divides by. :class:`MfuMeter` never reports an MFU above 1: a peak measured under load, or a step that
+achieves more than the peak (the peak read low), flags the records ``mfu_unreliable`` and an MFU that would
+exceed 1 is omitted (``null``).
 """
 from __future__ import annotations
 
@@ -143,15 +146,19 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
     return solo_matmul_rate(device, dtype, n or (1024 if device.type == "cpu" else 4096), seconds, samples=3)
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[float, str]:
-    """``(peak FLOP/s of one rank, source)``: datasheet for known GPUs, else a matmul benchmark."""
+PEAK_S = 0.3  # the job-start peak benchmark's duration
+REMEASURE_S = 0.1  # each re-measurement during the run (at evaluations and checkpoints)
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, seconds: float = PEAK_S) -> tuple[float, str]:
+    """``(peak FLOP/s of one rank, source)``: datasheet for known GPUs, else a matmul benchmark of ``seconds``."""
     dname = str(dtype).replace("torch.", "")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for frag, table in GPU_PEAK_FLOPS:
             if frag in name and dname in table:
                 return table[dname], f"table:{name}:{dname}"
-    flops = measure_matmul_flops(device, dtype)
+    flops = measure_matmul_flops(device, dtype, seconds=seconds)
     return flops, f"measured:{device.type}_matmul_{dname}_threads{torch.get_num_threads()}"
 
 
@@ -169,6 +176,11 @@ class PeakFlops:
     def under_load(self) -> bool:
         return bool(self.load.get("under_load"))
 
+    @property
+    def measured(self) -> bool:
+        """A benchmark (worth re-measuring), not a datasheet value."""
+        return not self.source.startswith("table:")
+
     def describe(self) -> str:
         """The job log's line: the peak, its source and, when measured, the load."""
         from torchloom.search.load import describe
@@ -178,18 +190,21 @@ class PeakFlops:
             text += f"; while measured, {describe(self.load)}"
         if self.under_load:
             text += ": the peak reads low, so MFU reads high; train records are flagged mfu_unreliable"
+        if self.measured:
+            text += ("; re-measured at each evaluation and checkpoint during the run, the highest kept "
+                     "(MFU divides by it from then on)")
         return text
 
 
-def job_peak_flops(device: torch.device, dtype: torch.dtype) -> PeakFlops:
-    """The job's peak, measured by every rank at once (cores are shared) and the best rank's kept, with the
-    load it ran under. Collective: every rank of the default group calls it. The global RNG is left as found
-    (the benchmark's random matrices must not shift the training's random stream)."""
+def job_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = PEAK_S) -> PeakFlops:
+    """The job's peak, measured by every rank at once for ``seconds`` (cores are shared) and the best rank's
+    kept, with the load it ran under. Collective: every rank of the default group calls it. The training's
+    random streams are left as found (the benchmark draws from its own generator)."""
     from torchloom.search.load import LoadWindow, assess
 
     window = LoadWindow()
     state = torch.random.get_rng_state()
-    flops, source = peak_flops(device, dtype)
+    flops, source = peak_flops(device, dtype, seconds)
     torch.random.set_rng_state(state)
     best = torch.tensor([flops], dtype=torch.float64)
     dist.all_reduce(best, op=dist.ReduceOp.MAX)
@@ -200,43 +215,95 @@ def job_peak_flops(device: torch.device, dtype: torch.dtype) -> PeakFlops:
 
 
 class MfuMeter:
-    """MFU of the logged steps against one :class:`PeakFlops`, never above 1.
+    """MFU of the logged steps against the highest measured :class:`PeakFlops`, never above 1.
+
+    The peak is measured at job start (``step``: the step the run starts from) and may be offered again later
+    (:meth:`offer`, at evaluations and checkpoints): the highest is kept, since load only ever makes a
+    benchmark read low, so a peak read low at start is raised (and MFU lowered) as the run goes on.
 
     :meth:`record` takes the model FLOP/s one rank achieved (``flops_per_token * tokens_per_s / world``)
-    and returns the record's fields: ``mfu`` (achieved / peak; ``None`` where that exceeds 1) and
-    ``mfu_unreliable`` (the peak was measured under load, or some step achieved more than the peak: from
-    then on every record, since the peak is known to read low). :attr:`note` holds one line to log the
-    first time a step exceeds the peak (:meth:`take_note` clears it); :meth:`summary` gives the run's mean.
+    and returns the record's fields: ``mfu`` (achieved / peak in effect; ``None`` where that exceeds 1),
+    ``mfu_unreliable`` (the peak in effect was measured under load, or some step so far achieved more than
+    it), ``peak_flops``/``peak_flops_source``/``peak_flops_step`` (the peak this record divides by and the
+    step it was measured at) and, on the first record that divides by a peak, ``peak_flops_load`` (the load
+    it was measured under: :func:`torchloom.search.load.compact`). :attr:`note` holds lines to log (a step
+    above the peak, a raised peak; :meth:`take_note` clears them); :meth:`summary` gives the run's figures.
     """
 
-    def __init__(self, peak: PeakFlops):
-        self.peak = peak
-        self.reason = "the peak was measured under load" if peak.under_load else ""
-        self.values: list[float] = []
-        self.note = ""
-        self.exceeded = False
+    def __init__(self, peak: PeakFlops, step: int = 0):
+        self.peak, self.step = peak, int(step)
+        self.measurements = [self._measurement(peak, step)]
+        self.achieved: list[float] = []
+        self.notes: list[str] = []
+        self._announced = False  # the first record dividing by the peak in effect carries its load
 
-    def record(self, achieved_flops_per_rank: float) -> dict[str, Any]:
-        mfu = achieved_flops_per_rank / self.peak.flops if self.peak.flops > 0 else None
-        if mfu is not None and mfu > 1.0:
-            if not self.exceeded:
-                self.exceeded = True
-                self.reason = (f"a step achieved {achieved_flops_per_rank / 1e9:.1f} GFLOP/s of model FLOPs per rank, "
-                               f"above the peak {self.peak.flops / 1e9:.1f} ({self.peak.source})")
-                self.note = (f"MFU unreliable: {self.reason}: the peak was measured low (machine busy while it "
-                             "was measured?); MFU is omitted (null) where it would exceed 1 and every record "
-                             "from here on is flagged mfu_unreliable")
-            mfu = None
-        if mfu is not None:
-            self.values.append(mfu)
-        return {"mfu": mfu, "mfu_unreliable": bool(self.reason)}
+    @staticmethod
+    def _measurement(peak: PeakFlops, step: int) -> dict[str, Any]:
+        return {"step": int(step), "flops": peak.flops, "stolen_fraction": peak.load.get("stolen_fraction"),
+                "under_load": peak.under_load}
+
+    @property
+    def note(self) -> str:
+        return "; ".join(self.notes)
 
     def take_note(self) -> str:
-        note, self.note = self.note, ""
+        note, self.notes = self.note, []
         return note
 
+    def offer(self, peak: PeakFlops, step: int) -> bool:
+        """A re-measurement of the peak at ``step``: kept (and returned True, with a note) when higher than
+        the peak in effect; every measurement is listed in :meth:`summary`."""
+        self.measurements.append(self._measurement(peak, step))
+        if peak.flops <= self.peak.flops:
+            return False
+        self.notes.append(f"peak re-measured at step {step}: {peak.flops / 1e9:.1f} GFLOP/s per rank, above the "
+                          f"{self.peak.flops / 1e9:.1f} measured at step {self.step} (that one read low); MFU "
+                          f"divides by it from step {step + 1} (peak_flops_step {step})")
+        self.peak, self.step, self._announced = peak, int(step), False
+        return True
+
+    def _reason(self) -> str:
+        from torchloom.search.load import describe
+
+        top = max(self.achieved, default=0.0)
+        if top > self.peak.flops:
+            return (f"a step achieved {top / 1e9:.1f} GFLOP/s of model FLOPs per rank, above the peak "
+                    f"{self.peak.flops / 1e9:.1f} ({self.peak.source}, step {self.step})")
+        if self.peak.under_load:
+            return f"the peak was measured under load at step {self.step} ({describe(self.peak.load)})"
+        return ""
+
+    def record(self, achieved_flops_per_rank: float) -> dict[str, Any]:
+        """The MFU fields of one train record (see the class docstring)."""
+        before = max(self.achieved, default=0.0)
+        self.achieved.append(float(achieved_flops_per_rank))
+        mfu = achieved_flops_per_rank / self.peak.flops if self.peak.flops > 0 else None
+        if mfu is not None and mfu > 1.0:
+            if before <= self.peak.flops:  # the first step above this peak: say so once
+                self.notes.append(f"MFU unreliable: {self._reason()}: the peak was measured low (machine busy while "
+                                  "it was measured?); MFU is omitted (null) where it would exceed 1 and records are "
+                                  "flagged mfu_unreliable until a re-measured peak exceeds every step")
+            mfu = None
+        out = {"mfu": mfu, "mfu_unreliable": bool(self._reason()), "peak_flops": self.peak.flops,
+               "peak_flops_source": self.peak.source, "peak_flops_step": self.step}
+        if not self._announced:
+            from torchloom.search.load import compact
+
+            out["peak_flops_load"] = compact(self.peak.load)
+            self._announced = True
+        return out
+
     def summary(self) -> dict[str, Any]:
-        """``mfu``: the mean of the reported values (None when none was, or when a step exceeded the peak:
-        the omitted steps would bias it), ``mfu_unreliable`` and ``mfu_unreliable_reason``."""
-        mean = sum(self.values) / len(self.values) if self.values and not self.exceeded else None
-        return {"mfu": mean, "mfu_unreliable": bool(self.reason), "mfu_unreliable_reason": self.reason}
+        """``mfu``: the mean achieved model FLOP/s per rank over the run's records divided by the final (highest)
+        peak (None when no record, or when a step exceeded that peak), ``mfu_unreliable``,
+        ``mfu_unreliable_reason``, and ``mfu_peak``: the peak divided by (``flops``, ``source``, ``step``,
+        ``load``) and every measurement (``step``, ``flops``, ``stolen_fraction``, ``under_load``)."""
+        from torchloom.search.load import compact
+
+        reason = self._reason()
+        exceeded = max(self.achieved, default=0.0) > self.peak.flops
+        mean = (sum(self.achieved) / len(self.achieved) / self.peak.flops
+                if self.achieved and self.peak.flops > 0 and not exceeded else None)
+        return {"mfu": mean, "mfu_unreliable": bool(reason), "mfu_unreliable_reason": reason,
+                "mfu_peak": {"flops": self.peak.flops, "source": self.peak.source, "step": self.step,
+                             "load": compact(self.peak.load), "measurements": list(self.measurements)}}
