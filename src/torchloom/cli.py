@@ -5,8 +5,10 @@ See ``docs/launch.md``, ``docs/train.md`` and ``docs/config.md``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -140,8 +142,29 @@ def _apply_config_file(kw: dict, explicit: str | None) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", "-V", prog_name="torchloom")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """torchloom: single-device PyTorch training code to distributed training with one call."""
+    ctx.with_resource(one_line_warnings())  # for the command's run only (restored after, e.g. in tests)
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """While a ``loom`` command runs, a Python warning is one line on stderr: ``warning: <message>`` (the
+    category named when it is not a ``UserWarning``), without the file, line and source line Python adds
+    (they point into torchloom or torch, not at anything the user typed). Filters are unchanged; the previous
+    ``warnings.showwarning`` is restored after."""
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        yield
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    kind = "" if category is UserWarning else f"{category.__name__}: "
+    try:
+        (file or sys.stderr).write(f"warning: {kind}{message}\n")
+    except (OSError, ValueError):  # a closed stream: as Python's own showwarning, never fail the caller
+        pass
 
 
 # ------------------------------------------------------------------------------------------- run
@@ -347,7 +370,9 @@ def train(config: str | None, output_dir: str | None, overrides: tuple[str, ...]
 
     CONFIG is a YAML file or a packaged config name (default, smoke); without it the default config runs.
     The job resumes from the newest complete checkpoint in the output dir; an output dir holding a run of
-    another model (model sizes, MoE, vocabulary) is refused: pass another --output-dir.
+    another model (model sizes, MoE, vocabulary), a checkpoint it cannot resume (another train.seed, a batch
+    layout its data position does not fall on) and one another run trains in are refused before anything starts
+    (exit 2; the message says what to do).
 
     \b
     Examples:
@@ -376,9 +401,16 @@ def train(config: str | None, output_dir: str | None, overrides: tuple[str, ...]
 
         check_eval_plays(cfg.data.eval_plays)
         _check_fits(cfg, kw)
-        from .train.run_dir import check_output_dir
+        from .train.run_dir import check_output_dir, check_resume_layout
 
-        check_output_dir(cfg)  # a run of another model there: refused before anything is written
+        check_output_dir(cfg)  # a run of another model, or another seed: refused before anything is written
+        if _fixed_world(kw) is not None:
+            check_resume_layout(cfg, _fixed_world(kw))  # a batch layout the checkpoint's data position misses
+        from .train.run_lock import CLAIMED_ENV, claim
+
+        # one run per output dir: held until this launcher exits (the kernel releases it, also on SIGKILL)
+        dir_lock = claim(cfg.output_dir, job=_multinode_job(kw))
+        os.environ[CLAIMED_ENV] = str(Path(cfg.output_dir).resolve())  # its workers hold the workers' lock
     except (ConfigError, TorchloomError) as e:
         click.echo(f"error: {e}", err=True)
         _exit(2)
@@ -393,15 +425,32 @@ def train(config: str | None, output_dir: str | None, overrides: tuple[str, ...]
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     _exit(code)
+    dir_lock.release()  # (_exit does not return; tests replace it)
+
+
+def _multinode_job(kw: dict) -> str | None:
+    """None for a single-node launch; else the key its launchers share (rendezvous endpoint and id), so the
+    launchers of one multi-node job on one machine share the output dir's lock (:func:`.train.run_lock.claim`)."""
+    from .elastic.launcher import LaunchOptions
+
+    if LaunchOptions(nnodes=str(kw.get("nnodes") or "1")).single_node():
+        return None
+    where = kw.get("rdzv_endpoint") or f"{kw.get('master_addr')}:{kw.get('master_port')}"
+    return f"{where}/{kw.get('rdzv_id') or 'none'}"
+
+
+def _fixed_world(kw: dict) -> int | None:
+    """The number of processes a launch with these options starts, when fixed (None: auto / elastic ranges)."""
+    nproc, nnodes = str(kw.get("nproc")), str(kw.get("nnodes") or "1")
+    return int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
 
 
 def _check_fits(cfg, kw: dict) -> None:
     """With a fixed number of processes, check the mesh and the batch split before starting any (a bad fit
     would otherwise surface as one traceback per rank after the corpus is loaded)."""
-    nproc, nnodes = str(kw.get("nproc")), str(kw.get("nnodes") or "1")
-    if not nproc.isdigit() or not nnodes.isdigit():
-        return  # auto / elastic ranges: the workers check it (Job.setup)
-    cfg.check_fits(int(nproc) * int(nnodes))
+    world = _fixed_world(kw)
+    if world is not None:  # auto / elastic ranges: the workers check it (Job.setup)
+        cfg.check_fits(world)
 
 
 # ----------------------------------------------------------------------------------------- check
@@ -440,7 +489,23 @@ def check(threshold: float, timeout: float, as_json: bool, **kw) -> None:
 
 
 # ------------------------------------------------------------------------------------------ plan
-@main.command()
+class _PlanCommand(click.Command):
+    """``loom plan``: a usage error (a bad option value, no MODEL) under ``--json`` also prints the JSON error
+    object on stdout (:func:`torchloom.search.plan_cli.json_error`), as every other exit 2 does."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        as_json = "--json" in args  # before parsing, which consumes args
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            if as_json:
+                from .search.plan_cli import json_error
+
+                click.echo(json_error(e.format_message()))
+            raise
+
+
+@main.command(cls=_PlanCommand)
 @click.argument("model")
 @click.option("--gpu", default=None, help="accelerator of the cluster: h100, h100-pcie, a100, a100-40gb, h200, b200, "
                                           "mi300x, ...")
@@ -467,8 +532,9 @@ def plan(model: str, **kw) -> None:
 
     MODEL is a built-in name (llama3-8b, llama3-70b, llama3.1-405b, mixtral-8x7b, default), a Hugging Face
     config.json, or a factory pkg.module:function. Exit code (the same with --json, whose "fits" says it): 0;
-    1 when nothing fits or the --strategy given does not; 2 for bad input (a bad config field, a size above the
-    sanity bounds, ...). A plan that runs long says on stderr what it is doing.
+    1 when nothing fits or the --strategy given does not; 2 for bad input (a bad or missing config field, a size
+    above the sanity bounds, ...; with --json also {"fits": false, "error": ..., "exit_code": 2} on stdout). A
+    plan that runs long says on stderr what it is doing.
 
     \b
     Examples:

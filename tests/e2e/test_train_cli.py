@@ -57,6 +57,11 @@ def test_smoke_run(full_run):
         assert r["peak_flops"] > 1e9 and r["peak_flops_source"].startswith(("measured:", "table:"))
         assert r["world_size"] == 2 and r["tokens"] == 8 * 64
     assert train[-1]["tokens_seen"] == 20 * 8 * 64
+    # the peak MFU divides by: measured at start (its load on the first record), again at step 10 (evaluation and
+    # checkpoint), the highest kept; each record names its peak
+    assert {"stolen_fraction", "under_load", "loadavg_1m"} <= set(train[0]["peak_flops_load"])
+    assert train[0]["peak_flops_step"] == 0 and all(r["peak_flops_step"] in (0, 10) for r in train)
+    assert all(b["peak_flops"] >= a["peak_flops"] for a, b in zip(train, train[1:]))
     assert train[-1]["loss"] < train[0]["loss"] - 0.5
 
     assert [e["step"] for e in evals] == [0, 10, 20]
@@ -71,6 +76,10 @@ def test_smoke_run(full_run):
     assert summary["steps"] == 20 and summary["final_eval_loss"] == evals[-1]["eval_loss"]
     assert summary["initial_eval_loss"] == evals[0]["eval_loss"]
     assert summary["tokens_per_s"] > 0 and summary["sample"]
+    peak = summary["mfu_peak"]
+    assert [m["step"] for m in peak["measurements"]] == [0, 10] and "stolen_fraction" in peak["load"]
+    assert peak["flops"] == summary["peak_flops"] == train[-1]["peak_flops"]
+    assert peak["flops"] == max(m["flops"] for m in peak["measurements"])
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     assert "held-out loss" in log and "sample:" in log and summary["sample"].splitlines()[0] in log
     # the output is a pipe, not a terminal: plain progress lines (smoke: 20 steps -> one a step), no tqdm bars
@@ -129,8 +138,24 @@ def test_ckpt_list_and_export(tmp_path, full_run):
 def test_rerun_of_a_finished_job_does_not_train_again(full_run, cache):
     out, proc = full_run
     assert proc.returncode == 0
+    config = (out / "config.yaml").read_bytes()
     again = smoke(out, cache, "--set", "sample.max_new_tokens=0")
     assert again.returncode == 0, again.stdout[-4000:]
     assert "resumed from step 20" in again.stdout
+    # it trains nothing: config.yaml keeps the settings the trained steps used (smoke's max_new_tokens 16, not 0)
+    assert (out / "config.yaml").read_bytes() == config
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records if r["type"] == "train"] == list(range(1, 21))
+
+
+def test_the_run_held_its_output_dir(full_run):
+    """The output-dir lock (docs/train.md, "One run per output dir"): the launcher claimed it, each worker rank
+    held the workers' lock under that claim (a claim of their own would have been refused: the launcher held it)."""
+    from torchloom.train.run_lock import lock_paths
+
+    out, proc = full_run
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    launcher_lock, workers_lock = (read_jsonl(p) for p in lock_paths(out))
+    assert [r["role"] for r in launcher_lock] == ["launcher"] and " train smoke " in launcher_lock[0]["command"]
+    assert sorted((r["role"], r["rank"]) for r in workers_lock) == [("worker", 0), ("worker", 1)]
+

@@ -99,6 +99,11 @@ def captured(monkeypatch):
 
     monkeypatch.setattr(launcher, "run", fake_run)
     monkeypatch.setattr(cli, "_exit", fake_exit)
+    # `loom train` claims its output dir (runs/..., /tmp/x) before launching: not these tests' subject
+    from torchloom.train import run_lock
+
+    monkeypatch.setattr(run_lock, "claim", lambda out, **kw: run_lock.OutputDirLock(out))
+    monkeypatch.setenv(run_lock.CLAIMED_ENV, "")  # restored after the test (the CLI sets it for its workers)
     return calls
 
 
@@ -206,3 +211,26 @@ def test_train_checks_tp_and_pp_against_the_model_before_launch(captured):
     out = CliRunner().invoke(cli.main, ["train", "smoke", "--nproc", "4", "--set", "parallel.tp=2",
                                         "--set", "parallel.pp=2"])
     assert out.exit_code == 5 and captured["target"] == "torchloom.train.job", out.output  # fits: launched
+
+
+def test_a_warning_is_one_clean_line_while_a_loom_command_runs(monkeypatch):
+    """Python would print the warning's file, line and source line (``hws = [local_hardware(...)]``: torchloom's
+    code, not the user's); under ``loom`` it is ``warning: <message>``, and the previous display is back after."""
+    import warnings
+
+    from torchloom.errors import StrategyError
+    from torchloom.search import plan_cli
+
+    def plan(*_a, **_kw):
+        warnings.simplefilter("always")  # pytest's configuration ignores UserWarning
+        warnings.warn("calibrated under load: the figures are provisional", UserWarning)
+        warnings.warn("old API", FutureWarning)
+        raise StrategyError("stop here")
+
+    monkeypatch.setattr(plan_cli, "plan", plan)
+    shown = warnings.showwarning
+    r = CliRunner().invoke(cli.main, ["plan", "default"])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.splitlines() == ["warning: calibrated under load: the figures are provisional",
+                                     "warning: FutureWarning: old API", "error: stop here"], r.stderr
+    assert warnings.showwarning is shown

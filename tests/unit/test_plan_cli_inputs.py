@@ -5,6 +5,7 @@ what it is doing. Nothing is launched; the configs are tiny."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -164,3 +165,74 @@ def test_progress_is_quiet_for_a_short_plan_and_throttled():
         p.update("analysing")
         p.update("searching")  # within every_s of the last line: not printed
     assert len(lines) == 1 and lines[0].startswith("loom plan: analysing (")
+
+
+# ------------------------------------------------------------------------------ missing or misspelled sizes
+def _without(cfg: dict, *keys: str, **extra) -> dict:
+    return {**{k: v for k, v in cfg.items() if k not in keys}, **extra}
+
+
+MISSING = [  # (config, the words the message must hold); the issue's case first
+    (_without(TINY, "hidden_size", hidden_dim=64),
+     ["hidden_size is not set", "llama default (hidden_size=4096)", "'hidden_dim' is not a llama config field: did "
+      "you mean hidden_size?"]),
+    (_without(TINY, "hidden_size", "num_attention_heads", "num_key_value_heads"),
+     ["hidden_size, num_attention_heads are not set", "hidden_size=4096, num_attention_heads=32", "set them"]),
+    (_without(TINY, "vocab_size"), ["vocab_size is not set", "vocab_size=32000"]),
+    (_without(TINY, "num_hidden_layers", num_layer=2), ["num_hidden_layers is not set", "'num_layer'"]),
+    (_without(TINY, "intermediate_size", intermediate=128), ["intermediate_size is not set", "'intermediate'"]),
+    (_without(MOE, "num_local_experts"), ["num_local_experts is not set", "mixtral default (num_local_experts=8)"]),
+    (_without(MOE, "num_key_value_heads"), ["num_key_value_heads is not set", "num_key_value_heads=8"]),
+    (_without(GPT2, "n_embd", hidden=64), ["n_embd is not set", "gpt2 default (n_embd=768)"]),
+]
+
+
+@pytest.mark.parametrize("cfg, words", MISSING, ids=[w[0].split(" is")[0].split(" are")[0] for _, w in MISSING])
+def test_a_missing_or_misspelled_size_is_named_with_exit_2(tmp_path, cfg, words):
+    """transformers would fill a size the config leaves out with another model's number (Llama's 4,096 hidden):
+    exit 2 naming it, the default it would have been, and the unknown key that looks like it."""
+    err = _named_error(_plan_config(tmp_path, cfg, *ONE_GPU))
+    assert str(tmp_path / "config.json") in err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_a_size_transformers_derives_is_kept_with_a_note(tmp_path):
+    """num_key_value_heads unset in a Llama config is num_attention_heads in transformers (its default is None,
+    not a number): planned, with a note; GPT-2's n_inner (4 x n_embd) needs none."""
+    r = _plan_config(tmp_path, _without(TINY, "num_key_value_heads"), *ONE_GPU)
+    assert r.exit_code == 0, r.output
+    assert "note     num_key_value_heads not set: transformers uses num_attention_heads" in r.stdout, r.stdout
+    r = _plan_config(tmp_path, GPT2, *ONE_GPU)
+    assert r.exit_code == 0 and "num_key_value_heads" not in r.stdout, r.output
+
+
+def test_json_on_bad_input_is_an_object_with_exit_code_2(tmp_path):
+    """A script reading ``--json`` gets one object in every case: bad input is ``fits: false`` with the error
+    and ``exit_code: 2`` (the ``error:`` line stays on stderr); a usage error click finds too."""
+    r = _plan_config(tmp_path, _without(TINY, "hidden_size"), *ONE_GPU, "--json")
+    err = _named_error(r)
+    d = json.loads(r.stdout)
+    assert d == {"schema": 1, "fits": False, "error": err[len("error: "):].strip(), "exit_code": 2}
+    r = CliRunner().invoke(main, ["plan", "default", "--gpus", "many", "--json"])
+    assert r.exit_code == 2
+    d = json.loads(r.stdout)
+    assert d["fits"] is False and d["exit_code"] == 2 and "--gpus" in d["error"] and "many" in d["error"]
+    r = _plan_config(tmp_path, TINY, *ONE_GPU, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["exit_code"] == 0
+
+
+def test_a_small_model_is_counted_in_k_or_m_not_0_00_b():
+    from torchloom.search.plan_cli import count
+
+    assert [count(n) for n in (70_553_706_496, 4_460_000, 107_136, 512)] == ["70.55 B", "4.46 M", "107.14 K", "512"]
+    r = CliRunner().invoke(main, ["plan", "default", *ONE_GPU])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"model    default \(\d+\.\d\d M parameters;", r.stdout), r.stdout[:300]
+
+
+def test_analyze_config_refuses_a_dict_missing_a_size_too():
+    from torchloom.search.analysis import analyze_config
+
+    with pytest.raises(ValueError, match=r"the llama config: hidden_size is not set.*'hidden_dim'.*hidden_size\?"):
+        analyze_config(_without(TINY, "hidden_size", hidden_dim=64), seq_len=8)

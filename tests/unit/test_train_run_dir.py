@@ -9,7 +9,8 @@ from click.testing import CliRunner
 from torchloom import cli
 from torchloom.elastic import launcher
 from torchloom.train.config import ConfigError, TrainConfig
-from torchloom.train.run_dir import OutputDirInUse, check_output_dir, model_differences
+from torchloom.train.run_dir import (RESUME_KEYS, OutputDirInUse, ResumeSettingChanged, check_output_dir,
+                                     model_differences)
 
 MOE = ("model.moe.num_experts=8", "parallel.ep=2")
 
@@ -62,7 +63,7 @@ def test_every_model_defining_change_is_refused(tmp_path, override):
 def test_changes_that_keep_the_model_resume(tmp_path):
     out = tmp_path / "run"
     _dense_run(out)
-    for overrides in (["train.steps=40", "train.lr=1e-3", "train.warmup=2", "train.seed=3"],
+    for overrides in (["train.steps=40", "train.lr=1e-3", "train.warmup=2"],
                       ["log.interval=5", "checkpoint.interval=3", "checkpoint.keep_last=5", "eval.interval=0"],
                       ["strategy=[fsdp]", "parallel.tp=2"], ["train.global_batch=16", "train.micro_batch=4"],
                       ["model.moe.top_k=1", "model.moe.aux_loss_weight=0.1"],  # dense: the moe keys build nothing
@@ -111,6 +112,7 @@ def test_loom_train_refuses_before_launching(tmp_path, monkeypatch):
     launched = []
     monkeypatch.setattr(launcher, "run", lambda *a, **k: launched.append(a) or 0)
     monkeypatch.setattr(cli, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setenv("TORCHLOOM_TRAIN_CLAIMED", "")  # the launch below sets it for its workers: restored after
     r = CliRunner().invoke(cli.main, ["train", "smoke", "--output-dir", str(out), "--set", MOE[0], "--set", MOE[1]])
     assert r.exit_code == 2, r.output
     assert "holds a run of another model" in r.output and "--output-dir" in r.output and not launched
@@ -129,4 +131,111 @@ def test_the_job_refuses_before_writing(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "error: output dir" in err and "MixtralForCausalLM" in err and "Traceback" not in err
+    assert _files(out) == before
+
+
+# ------------------------------------------------------------------------- resume-defining settings
+def _complete_checkpoint(out: Path, step: int = 10, seed: int = 0) -> Path:
+    """A complete checkpoint (valid COMPLETE marker) whose data position was saved with ``seed``."""
+    import json
+
+    from torchloom.checkpoint import commit
+
+    ckpt = out / "checkpoints" / f"step_{step:08d}"
+    if ckpt.exists():
+        import shutil
+
+        shutil.rmtree(ckpt)
+    ckpt.mkdir(parents=True)
+    state = {"kind": "map", "epoch": 0, "consumed": step * 8, "seed": seed, "num_samples": 500,
+             "global_batch_size": 8}
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": step, "dataloader": state}))
+    commit.write_marker(ckpt, step=step, world_size=2)
+    assert commit.latest_complete(out / "checkpoints") == ckpt
+    return ckpt
+
+
+def test_a_seed_change_is_refused_while_a_checkpoint_exists(tmp_path):
+    """The seed fixes the data order the checkpoint's data position counts in: the workers would fail (or mix
+    orders); refused before launch, naming the key, why, and the three ways on."""
+    out = tmp_path / "run"
+    _dense_run(out)
+    ckpt = _complete_checkpoint(out)
+    before = _files(out)
+    with pytest.raises(ResumeSettingChanged) as e:
+        check_output_dir(TrainConfig.load("smoke", ["train.seed=1"], str(out)))
+    msg = str(e.value)
+    assert f"output dir {out} holds a checkpoint ({ckpt}) of a run with another train.seed (train.seed: 0 -> 1)" in msg
+    assert RESUME_KEYS["train.seed"] in msg and "Keep --set train.seed=0 to resume that run" in msg
+    assert "--output-dir" in msg and f"delete {out / 'checkpoints'}" in msg
+    assert isinstance(e.value, ConfigError) and _files(out) == before
+    check_output_dir(TrainConfig.load("smoke", ["train.seed=0", "train.global_batch=16"], str(out)))  # resumes
+
+
+def test_a_seed_change_without_a_checkpoint_starts_over(tmp_path):
+    out = tmp_path / "run"
+    _dense_run(out)  # its checkpoint is torn (no valid marker): a run starts from step 0
+    check_output_dir(TrainConfig.load("smoke", ["train.seed=1"], str(out)))
+
+
+def test_the_seed_is_read_from_the_checkpoint(tmp_path):
+    """A config.yaml rewritten with seed 1 by a run that then failed to resume (an older torchloom) does not
+    decide: the checkpoint's data position was saved with seed 0."""
+    out = tmp_path / "run"
+    _dense_run(out, "train.seed=1")
+    _complete_checkpoint(out, seed=0)
+    check_output_dir(TrainConfig.load("smoke", [], str(out)))
+    with pytest.raises(ResumeSettingChanged, match=r"train.seed: 0 -> 1"):
+        check_output_dir(TrainConfig.load("smoke", ["train.seed=1"], str(out)))
+    (out / "config.yaml").unlink()  # no config.yaml at all: the checkpoint still says
+    with pytest.raises(ResumeSettingChanged, match=r"train.seed: 0 -> 1"):
+        check_output_dir(TrainConfig.load("smoke", ["train.seed=1"], str(out)))
+    check_output_dir(TrainConfig.load("smoke", ["model.hidden_size=128"], str(out)))  # nothing else compared
+
+
+def test_loom_train_refuses_a_seed_change_before_launching(tmp_path, monkeypatch):
+    from torchloom.train import run_lock
+
+    out = tmp_path / "run"
+    _dense_run(out)
+    _complete_checkpoint(out)
+    before = _files(out)
+    launched = []
+    monkeypatch.setattr(launcher, "run", lambda *a, **k: launched.append(a) or 0)
+    monkeypatch.setattr(cli, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setenv(run_lock.CLAIMED_ENV, "")
+    r = CliRunner().invoke(cli.main, ["train", "smoke", "--output-dir", str(out), "--set", "train.seed=1"])
+    assert r.exit_code == 2 and not launched, r.output
+    assert "train.seed: 0 -> 1" in r.output and _files(out) == before
+
+
+
+def test_a_batch_layout_the_data_position_misses_is_refused_before_launch(tmp_path, monkeypatch):
+    """A changed global/micro batch resumes under the alignment rule (docs/data.md) and is refused before launch
+    when the saved position (40 samples: step 5 x 8) is not a multiple of ranks x micro batch."""
+    from torchloom.train import run_lock
+    from torchloom.train.run_dir import check_resume_layout
+
+    out = tmp_path / "run"
+    _dense_run(out)
+    ckpt = _complete_checkpoint(out, step=5)
+    for ok in (["train.global_batch=24", "train.micro_batch=2"], ["train.global_batch=16"], []):
+        check_resume_layout(TrainConfig.load("smoke", ok, str(out)), 2)  # 2 ranks x micro 2 divides 40
+    with pytest.raises(ResumeSettingChanged) as e:
+        check_resume_layout(TrainConfig.load("smoke", ["train.global_batch=24", "train.micro_batch=6"], str(out)), 2)
+    msg = str(e.value)
+    assert f"cannot resume the data position of {ckpt} with this batch layout (2 processes: data-parallel 2 x " \
+           "micro batch 6, global batch 24)" in msg
+    assert "consumed 40 samples" in msg and "--set train.micro_batch=N" in msg and "train.global_batch (8)" in msg
+    check_resume_layout(TrainConfig.load("smoke", ["train.global_batch=24", "train.micro_batch=6",
+                                                   "checkpoint.blocking=false"], str(out)), 2)  # flash: the workers
+
+    before = _files(out)
+    launched = []
+    monkeypatch.setattr(launcher, "run", lambda *a, **k: launched.append(a) or 0)
+    monkeypatch.setattr(cli, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setenv(run_lock.CLAIMED_ENV, "")
+    r = CliRunner().invoke(cli.main, ["train", "smoke", "--output-dir", str(out), "--set", "train.global_batch=24",
+                                      "--set", "train.micro_batch=6"])
+    assert r.exit_code == 2 and not launched and "consumed 40 samples" in r.output, r.output
     assert _files(out) == before

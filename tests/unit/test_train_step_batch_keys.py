@@ -52,3 +52,20 @@ def test_a_type_error_inside_forward_is_not_rewritten():
     with pytest.raises(TypeError) as e:
         call_model(Broken(), {"x": torch.ones(2, 4)}, "unpack_dict")
     assert "model_input_format" not in str(e.value) and e.value.__cause__ is None
+
+
+def test_the_analysis_of_strategy_auto_names_unexpected_batch_keys_too():
+    """strategy='auto' traces the first batch before anything runs: a key forward has no parameter for is named
+    there as train_step names it (batch keys, forward's parameters, formats), not as a value-dependent shape."""
+    from torchloom.search.analysis import analyze_model
+
+    batch = {"x": torch.ones(1, 4), "idx": torch.tensor([0])}
+    with pytest.raises(ValueError) as e:
+        analyze_model(Net(), seq_len=1, sample_input=batch, input_format="unpack_dict", loss_func=lambda b, o: o.sum())
+    msg = str(e.value)
+    assert "the sample batch does not fit its forward" in msg and "shapes do not depend" not in msg, msg
+    assert "model(**batch) with the batch keys ['x', 'idx']" in msg and "unexpected keys: ['idx']" in msg
+    assert "Net.forward takes ['x', 'scale']" in msg and "model_input_format='unpack_sequence'" in msg
+    with pytest.raises(ValueError, match=r"3 batch items, but Net.forward takes \['x', 'scale'\]"):
+        analyze_model(Net(), seq_len=1, sample_input=(torch.ones(1, 4), 1.0, 3), input_format="unpack_sequence",
+                      loss_func=lambda b, o: o.sum())

@@ -83,3 +83,20 @@ def test_a_checkpoint_of_another_model_is_a_clean_error(tmp_path, capsys, monkey
     assert run_job(["smoke", "--output-dir", str(other.out)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("[loom] error: cannot resume from the checkpoints in ") and "Traceback" not in err
+
+
+def test_a_data_position_the_new_batch_misses_is_a_clean_error(tmp_path):
+    """A checkpoint taken 2 samples into the epoch, resumed with micro batch 4: the sampler's DataError becomes a
+    ResumeError (one message, exit 1, no traceback) naming the job's key for the fix."""
+    job = _job(tmp_path)
+    next(iter(job.res.dataloader))  # 2 samples consumed
+    job.save(1)
+    other = _job(tmp_path)
+    data = [torch.randn(4) for _ in range(8)]
+    other.res = torchloom.auto_accelerate(torch.nn.Linear(4, 4), torch.optim.SGD, data, lambda b, o: o.sum(),
+                                          optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4})
+    with pytest.raises(ResumeError) as e:
+        other.maybe_resume()
+    msg = str(e.value)
+    assert msg.startswith(f"cannot resume the data position of the checkpoints in {other.ckpt_root}: ")
+    assert "consumed 2 samples" in msg and "--set train.micro_batch=N" in msg and "Nothing was trained" in msg

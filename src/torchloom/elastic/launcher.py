@@ -6,7 +6,8 @@ worker exited 0, else the first failed worker's code (128 + N for a worker kille
 
 Defaults: one node with a standalone c10d rendezvous on a free local port; ``OMP_NUM_THREADS`` = usable
 cores / processes per node when unset (torchrun would use 1); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so
-workers keep their own TCP store rather than the agent's (elastic restarts re-create it).
+workers keep their own TCP store rather than the agent's (elastic restarts re-create it);
+``TORCHLOOM_AGENT_PID`` = this process's pid, so a worker can ask to die with it (:func:`die_with_agent`).
 Workers should end through :func:`torchloom.elastic.shutdown.clean_exit`, which makes a correct gloo run
 exit 0 reliably.
 """
@@ -17,6 +18,8 @@ import sys
 from dataclasses import dataclass, field
 
 NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+AGENT_PID_ENV = "TORCHLOOM_AGENT_PID"  # the launcher (torchrun's agent) of this worker; set by run()
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass
@@ -289,6 +292,7 @@ def run(opts: LaunchOptions, target: str, args: list[str] | tuple[str, ...] = ()
     except SystemExit as e:  # torchrun's parser printed why
         return e.code if isinstance(e.code, int) else 2
     os.environ.update(worker_env(opts))
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the agent runs in this process: the workers' parent
     if not opts.single_node():
         # torchrun's rendezvous waits silently for the other nodes: say what it waits for
         where = opts.rdzv_endpoint or (f"{opts.master_addr}:{opts.master_port}" if opts.master_addr else "this host")
@@ -296,3 +300,61 @@ def run(opts: LaunchOptions, target: str, args: list[str] | tuple[str, ...] = ()
               f"{opts.rdzv_id or 'none'}); start the other nodes with the same --nnodes, --rdzv-endpoint and "
               "--rdzv-id, or use --nnodes 1 for one machine", file=sys.stderr, flush=True)
     return launch(run_args)
+
+
+def die_with_agent(sig: int | None = None) -> bool:
+    """In a worker started by :func:`run` (``TORCHLOOM_AGENT_PID`` names its agent, which must be this process's
+    parent): on Linux, have the kernel send ``sig`` (default SIGTERM) to this process when the agent dies, so a
+    SIGKILLed launcher leaves no worker training on its own (torchrun starts each worker in a session of its
+    own, ``start_new_session=True``: a kill of the launcher's process group does not reach it). Call it first
+    thing in the worker. Processes this one starts do not inherit it (the setting is cleared on fork).
+
+    PR_SET_PDEATHSIG fires when the parent *thread* that forked this process exits. Verified in torch 2.13's
+    elastic code: ``torch.distributed.run.run`` -> ``elastic_launch.__call__`` -> ``launch_agent`` ->
+    ``LocalElasticAgent.run`` -> ``_invoke_run`` -> ``_initialize_workers``/``_restart_workers`` ->
+    ``_start_workers`` -> ``start_processes`` -> ``SubprocessContext._start`` -> ``SubprocessHandler._popen``
+    (``subprocess.Popen``) all run synchronously in the caller's thread (no thread or executor on the way;
+    ``PContext.start`` even warns when it is not the main thread), and :func:`launch` calls it from the thread
+    ``loom`` runs in, the main one, which lives until the launcher exits.
+
+    The agent may have died before the setting took effect (this process was then re-parented): then this
+    process ends at once with ``128 + sig``, as the signal would have ended it. Returns True when set; False
+    when not started by loom's agent (no ``TORCHLOOM_AGENT_PID``, or the process it names is alive but not this
+    one's parent: a process further down that inherited the variable), or not on Linux.
+    """
+    import signal as _signal
+
+    want = os.environ.get(AGENT_PID_ENV, "")
+    if not want.isdigit() or not sys.platform.startswith("linux"):
+        return False
+    agent, sig = int(want), int(_signal.SIGTERM if sig is None else sig)
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        print(f"[loom] warning: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): this worker keeps "
+              "running if its launcher is killed", file=sys.stderr, flush=True)
+        return False
+    if os.getppid() == agent:  # checked after setting it: a death from now on is signalled
+        return True
+    if not _running(agent):  # the agent died before prctl: nobody will signal this orphan
+        print(f"[loom] the launcher (pid {agent}) of this worker is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(128 + sig)
+    libc.prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)  # not the agent's child: leave this process as it was
+    return False
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie, exited but not yet reaped, has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")

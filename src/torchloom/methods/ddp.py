@@ -1,7 +1,9 @@
 """`ddp`: DistributedDataParallel over the data-parallel mesh dimension."""
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -130,16 +132,17 @@ class DDP(Method):
                 # differ across ep ranks. They start equal over edp; ExpertGradReducer reduces them.
                 DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)
                 broadcast_states_by_group(module, None, edp_group, expert_ids)  # DDP broadcasts the dense ones
-            model = DistributedDataParallel(
-                module,
-                device_ids=[dev.index] if dev.type != "cpu" and dev.index is not None else None,
-                process_group=group,
-                bucket_cap_mb=c.bucket_cap_mb,
-                static_graph=c.static_graph,
-                find_unused_parameters=c.find_unused_parameters,
-                gradient_as_bucket_view=c.gradient_as_bucket_view,
-                **_buffer_sync_kwargs(broadcast),
-            )
+            with _broadcast_buffers_on_purpose():
+                model = DistributedDataParallel(
+                    module,
+                    device_ids=[dev.index] if dev.type != "cpu" and dev.index is not None else None,
+                    process_group=group,
+                    bucket_cap_mb=c.bucket_cap_mb,
+                    static_graph=c.static_graph,
+                    find_unused_parameters=c.find_unused_parameters,
+                    gradient_as_bucket_view=c.gradient_as_bucket_view,
+                    **_buffer_sync_kwargs(broadcast),
+                )
             record_ddp_params(model)  # DDP fixes its parameter list now; later requires_grad changes are caught
             notes.append(register_comm_hook(model, c.comm_hook, group, c.powersgd_rank, c.powersgd_start_iter))
             return model
@@ -197,10 +200,26 @@ class ReductionGuard:
 
 
 def _buffer_sync_kwargs(sync: bool) -> dict:
-    """``broadcast_buffers`` is deprecated in newer torch in favour of ``forward_sync_buffers``."""
+    """DDP's buffer-sync argument: ``forward_sync_buffers=True`` where torch has it (``broadcast_buffers`` is
+    deprecated there), but ``broadcast_buffers=False`` to turn syncing off: ``forward_sync_buffers=False`` would
+    still broadcast the buffers at construction (:func:`_broadcast_buffers_on_purpose`)."""
     import inspect
 
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     if "forward_sync_buffers" in params and sync:
         return {"forward_sync_buffers": True}
     return {"broadcast_buffers": sync}
+
+
+@contextlib.contextmanager
+def _broadcast_buffers_on_purpose():
+    """Silence exactly torch's ``FutureWarning: `broadcast_buffers` is deprecated`` around the DDP constructor.
+
+    :func:`_buffer_sync_kwargs` passes ``broadcast_buffers=False`` on purpose: its replacement
+    ``forward_sync_buffers=False`` still broadcasts rank 0's buffers when DDP is built (torch 2.13
+    ``DistributedDataParallel.__init__``: ``init_sync_buffers`` is True whenever ``forward_sync_buffers`` is
+    given), while ``broadcast_buffers=False`` leaves each rank's buffers as they are, which the running
+    statistics ``sync_buffers`` averages (and any rank-local buffer) rely on. Other warnings still show."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+        yield

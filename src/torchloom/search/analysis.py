@@ -106,8 +106,9 @@ def analyze_config(hf_config: Any, *, seq_len: int | None = None, name: str | No
 
     Raises:
         ValueError: the config has no ``model_type`` transformers knows, no ``seq_len`` can be found, a bad
-            architecture field (``ModelSpecError``, a ``ValueError``: the field, its value and the rule), a
-            config transformers cannot build a model from, or ``seq_len`` above a learned position table.
+            architecture field (``ModelSpecError``, a ``ValueError``: the field, its value and the rule), a dict
+            leaving out a size transformers would fill with another model's default (named), a config
+            transformers cannot build a model from, or ``seq_len`` above a learned position table.
     """
     import warnings
 
@@ -381,6 +382,14 @@ class _Analysis:
             out = functional_call(self.model, self.fake, args, kwargs, tie_weights=True, strict=False)
             return batch, out
         except Exception as e:  # noqa: BLE001  (name what failed and how to proceed)
+            if isinstance(e, TypeError) and self.input_format is not None:
+                from ..train_step import _raise_if_batch_does_not_fit
+
+                try:  # the batch does not bind to forward: the same message train_step gives for it
+                    _raise_if_batch_does_not_fit(e, self.model, args, kwargs, self.input_format)
+                except TypeError as named:
+                    raise ValueError(f"cannot analyse {type(self.model).__name__}: the sample batch does not fit "
+                                     f"its forward: {named}") from e
             raise ValueError(
                 f"cannot trace {type(self.model).__name__} on fake tensors: {type(e).__name__}: {e}. The analysis "
                 "needs a forward whose shapes do not depend on tensor values; check sample_input/input_format, "

@@ -80,7 +80,8 @@ def load_config(hf_config: Any):
     """A ``PretrainedConfig`` from a config object, a ``config.json`` dict with ``model_type``, or its path.
 
     Raises:
-        ValueError: no ``model_type``, or one transformers does not know.
+        ValueError: no ``model_type``, or one transformers does not know; a dict or file leaving out a size that
+            defines the model (``ModelSpecError``: :func:`~torchloom.search.config_checks.check_required_fields`).
     """
     from pathlib import Path
 
@@ -94,6 +95,10 @@ def load_config(hf_config: Any):
         raise ValueError("hf_config must be a transformers PretrainedConfig, a config.json dict with "
                          "'model_type', or the path to a config.json.")
     d = dict(hf_config)
+    if d["model_type"] in tf.CONFIG_MAPPING:  # a size left out would be another model's default: refused
+        from .config_checks import check_required_fields
+
+        check_required_fields(d, f"the {d['model_type']} config")
     try:
         return tf.AutoConfig.for_model(d.pop("model_type"), **d)
     except ValueError as e:

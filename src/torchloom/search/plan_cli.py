@@ -352,7 +352,9 @@ def run_command(model: str, *, gpu=None, gpus=None, gpus_per_node=None, local=Fa
     """``loom plan``: plan, print (table, ``--explain``, or ``--json``) and return the exit code, the same in
     both forms: 0 when the best row fits (``fits`` in the JSON), 1 when nothing fits or the ``--strategy``
     given does not (the message / ``fits: false`` says by how much and what would fit), 2 for bad input
-    (named). A plan that takes more than :data:`PROGRESS_AFTER_S` seconds says on stderr what it is doing."""
+    (named on stderr; with ``--json`` also as ``{"fits": false, "error": ..., "exit_code": 2}`` on stdout). Every
+    JSON object has ``exit_code``. A plan that takes more than :data:`PROGRESS_AFTER_S` seconds says on stderr
+    what it is doing."""
     import click
 
     try:
@@ -372,14 +374,17 @@ def run_command(model: str, *, gpu=None, gpus=None, gpus_per_node=None, local=Fa
         click.echo(f"no fit: {e}", err=True)
         if as_json:  # the same fields as a plan that ran: nothing ranked, fits false, and why
             click.echo(json.dumps({"schema": JSON_SCHEMA_VERSION, "mode": "search", "fits": False,
-                                   "candidates": [], "no_fit": str(e)}, indent=1))
+                                   "candidates": [], "no_fit": str(e), "exit_code": 1}, indent=1))
         return 1
     except TorchloomError as e:
         click.echo(f"error: {e}", err=True)
+        if as_json:  # a script reading stdout gets an object too
+            click.echo(json_error(str(e)))
         return 2
     code = 0 if report.fits else 1
     if as_json:
         d = report.to_dict(top=top)
+        d["exit_code"] = code
         if explain is not None:
             d["explain"] = explain_row(report, explain).to_dict()
         click.echo(json.dumps(d, indent=1, default=str))
@@ -389,6 +394,13 @@ def run_command(model: str, *, gpu=None, gpus=None, gpus_per_node=None, local=Fa
         click.echo("")
         click.echo(render_explain(report, explain))
     return code
+
+
+def json_error(message: str) -> str:
+    """The ``--json`` output of a run refused for bad input (exit 2): ``{"schema", "fits": false, "error",
+    "exit_code": 2}``, so a script parsing stdout gets an object in every case (the ``error:`` line stays on
+    stderr)."""
+    return json.dumps({"schema": JSON_SCHEMA_VERSION, "fits": False, "error": message, "exit_code": 2}, indent=1)
 
 
 def search_options_from_cli(exclude: str | None, fixed) -> dict[str, Any]:
@@ -421,7 +433,7 @@ def render_table(report: PlanReport, top: int = 10) -> str:
     by category in GiB, and a summary header."""
     hw, cl = report.hardware, report.cluster
     lines = [
-        f"model    {report.model.name} ({report.n_params / 1e9:.2f} B parameters; {report.model.source})",
+        f"model    {report.model.name} ({count(report.n_params)} parameters; {report.model.source})",
         f"cluster  {cl.describe()}; {hw.memory_bytes / GiB:.1f} GiB per device",
         f"batch    global {report.global_batch} x seq {report.seq_len} = "
         f"{report.global_batch * report.seq_len:,} tokens per step",
@@ -429,7 +441,7 @@ def render_table(report: PlanReport, top: int = 10) -> str:
     ex = report.experts
     if ex is not None:
         lines.insert(1, f"experts  {ex.layers} MoE layers x {ex.num_experts} experts, top-{ex.top_k}; "
-                        f"{ex.params / 1e9:.2f} B expert parameters, {ex.active_params / 1e9:.2f} B active per "
+                        f"{count(ex.params)} expert parameters, {count(ex.active_params)} active per "
                         f"token" + (f"; ep (expert parallel) searched over divisors of dp and {ex.num_experts}"
                                     if report.mode == "search" else ""))
     if report.mode == "search":
@@ -502,6 +514,14 @@ def explain_row(report: PlanReport, n: int) -> PlanRow:
         raise StrategyError(f"--explain {n}: there {'is' if len(report.rows) == 1 else 'are'} "
                             f"{len(report.rows)} ranked candidate(s); give 1..{len(report.rows)}.")
     return report.rows[n - 1]
+
+
+def count(n: float) -> str:
+    """A parameter count at a readable scale: ``70.55 B``, ``4.46 M``, ``12.30 K``, ``512`` (powers of 10)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
 
 
 def _clip(s: str, n: int) -> str:

@@ -248,16 +248,22 @@ def _resolve_model(spec: str) -> ModelSpec:
                          f"Face config.json, or a factory as pkg.module:function.")
 
 
-def hf_config_from_dict(d: dict[str, Any], where: str):
+def hf_config_from_dict(d: dict[str, Any], where: str, notes: list[str] | None = None):
     """A transformers config of ``d["model_type"]`` from a config.json-style dict, its architecture fields
-    checked (:mod:`torchloom.search.config_checks`) before and after transformers builds it.
+    checked (:mod:`torchloom.search.config_checks`) before and after transformers builds it: every size that
+    defines the model's parameters and FLOPs is set (:func:`~torchloom.search.config_checks.check_required_fields`;
+    transformers would fill a missing one with another model's number).
+
+    Args:
+        notes: receives what was assumed (a derived default kept, an unknown key ignored).
 
     Raises:
-        ModelSpecError: no or an unknown ``model_type``, or a bad field (named with its value and the rule).
+        ModelSpecError: no or an unknown ``model_type``, a bad field (named with its value and the rule), or a
+            missing size (named, with close matches among the unknown keys).
     """
     from transformers import CONFIG_MAPPING
 
-    from .config_checks import check_config, check_config_dict
+    from .config_checks import check_config, check_config_dict, check_required_fields
 
     mt = d.get("model_type")
     if not mt:
@@ -265,6 +271,9 @@ def hf_config_from_dict(d: dict[str, Any], where: str):
     if mt not in CONFIG_MAPPING:
         raise ModelSpecError(f"{where}: model_type {mt!r} is not known to transformers.")
     check_config_dict(d, where)
+    assumed = check_required_fields(d, where)
+    if notes is not None:
+        notes.extend(assumed)
     try:
         cfg = CONFIG_MAPPING[mt](**{k: v for k, v in d.items() if k != "model_type"})
     except Exception as e:  # noqa: BLE001  (transformers' own field checks: TypeError, ValueError, StrictDataclass*)
@@ -299,7 +308,9 @@ def _from_config_file(p: Path) -> ModelSpec:
     if not isinstance(d, dict):
         raise ModelSpecError(f"{p}: a config.json holds one JSON object, got {type(d).__name__}.")
     name = p.parent.name if p.name == "config.json" and p.parent.name else p.stem
-    return ModelSpec(name, str(p), hf_config=hf_config_from_dict(d, str(p)))
+    notes: list[str] = []
+    cfg = hf_config_from_dict(d, str(p), notes)
+    return ModelSpec(name, str(p), hf_config=cfg, notes=notes)
 
 
 def _from_factory(s: str) -> ModelSpec:

@@ -213,7 +213,7 @@ class Job:
 
         from .corpus import prepare_corpus
         from .dataset import TokenWindows
-        from .metrics import MfuMeter, PeakMemory, job_peak_flops, matmul_params
+        from .metrics import PeakMemory, job_peak_flops, matmul_params
 
         cfg = self.cfg
         if cfg.watchdog.timeout_s:
@@ -225,6 +225,7 @@ class Job:
         self.out = Path(cfg.output_dir).resolve()
         self.ckpt_root = self.out / "checkpoints"
         self.check_output_dir()  # before anything is written there
+        self.dir_lock = self.lock_output_dir()  # one run per output dir: refused while another one trains there
         from torchloom.elastic.faults import FaultInjector, restart_attempt
 
         from .goodput import GoodputLog
@@ -234,11 +235,6 @@ class Job:
         self.goodput = GoodputLog(self.out / "goodput.jsonl", enabled=self.rank == 0)
         if self.attempt:
             self.log(f"restart attempt {self.attempt} (TORCHELASTIC_RESTART_COUNT)")
-        if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            import yaml
-
-            (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         self.log(f"output dir {self.out}; {self.world} process(es) on {self.device.type}, "
                  f"{torch.get_num_threads()} thread(s) each; strategy {cfg.full_strategy()}")
         if cfg.ddp_swapped_for_fsdp():
@@ -319,11 +315,10 @@ class Job:
             raise ConfigError(f"train.global_batch={t.global_batch} is larger than the {len(self.train_ds)} "
                               "training windows: nothing to train on.")
 
-        # peak FLOP/s: every rank measures at once (cores are shared), the job keeps the best, with the load
-        peak = job_peak_flops(self.device, res.compute_dtype)
-        self.peak_flops, self.peak_flops_source = peak.flops, peak.source
-        self.mfu = MfuMeter(peak)  # MFU never above 1; flagged when the peak is unreliable
-        self.log(peak.describe())
+        # peak FLOP/s: every rank measures at once (cores are shared), the job keeps the best, with the load;
+        # train() re-measures it at evaluations and checkpoints (MfuMeter keeps the highest)
+        self.peak = job_peak_flops(self.device, res.compute_dtype)
+        self.log(self.peak.describe())
         self.mem = PeakMemory(self.device)
 
     def check_output_dir(self) -> None:
@@ -343,6 +338,48 @@ class Job:
         dist.broadcast_object_list(refusal, src=0)
         if refusal[0] is not None:
             raise ConfigError(refusal[0])
+
+    def lock_output_dir(self) -> list:
+        """Hold the output dir's lock for this process's life (collective; :mod:`.run_lock`): under ``loom
+        train``'s launcher, which claimed the dir, every rank holds the workers' lock; without it (``--no-launch``,
+        ``python -m``, ``loom run``/torchrun) local rank 0 claims the dir first (single-node jobs; a multi-node
+        job without ``loom train``'s launcher only holds the workers' lock), then every rank holds the workers'
+        lock. Returns the locks (keep them: dropping them releases).
+
+        Raises:
+            OutputDirBusy: (a ConfigError) another run trains in the output dir, on every rank."""
+        from torchloom.elastic.launcher import AGENT_PID_ENV
+
+        from .run_lock import CLAIMED_ENV, OutputDirBusy, claim, hold_worker
+
+        env = os.environ
+        if env.get(CLAIMED_ENV) == str(self.out) and env.get(AGENT_PID_ENV) == str(os.getppid()):
+            return [hold_worker(self.out, self.rank)]  # elastic restarts come here too: their launcher holds it
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        single_node = int(env.get("LOCAL_WORLD_SIZE", str(self.world))) == self.world
+        held, refusal = [], None
+        if local_rank == 0 and single_node:
+            try:
+                held.append(claim(self.out, role="run"))
+            except ConfigError as e:
+                refusal = str(e)
+        refusals = [None] * self.world
+        dist.all_gather_object(refusals, refusal)  # also orders: the claim's probe before any rank holds
+        refusal = next((r for r in refusals if r is not None), None)
+        if refusal is not None:
+            raise OutputDirBusy(refusal)
+        return held + [hold_worker(self.out, self.rank)]
+
+    def write_config(self) -> None:
+        """Write ``config.yaml`` (rank 0), atomically, once this run trains from a valid state: a run that trains
+        nothing (already finished) or cannot resume leaves the previous one, which describes the trained steps."""
+        if self.rank != 0:
+            return
+        import yaml
+
+        tmp = self.out / f".config.yaml.{os.getpid()}.tmp"
+        tmp.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        os.replace(tmp, self.out / "config.yaml")
 
     # -- strategy: auto ------------------------------------------------------------------------------
     def plan_strategy(self, cfg: TrainConfig, make_model, signature: str | None = None):
@@ -533,11 +570,21 @@ class Job:
         Raises:
             ResumeError: a checkpoint could not be loaded into this run (the reason, the checkpoint root, and
                 what to do)."""
+        from torchloom.data import DataError
         from torchloom.errors import CheckpointError
 
         try:
             return self._resume()
-        except CheckpointError as e:
+        except (CheckpointError, DataError) as e:
+            cause, data = e, isinstance(e, DataError) or "DataError: " in str(e)  # the ranks' errors are forwarded
+            while cause is not None and not data:
+                data, cause = isinstance(cause, DataError), cause.__cause__
+            if data:  # the saved data position does not fit this run's batch layout (or seed)
+                raise ResumeError(
+                    f"cannot resume the data position of the checkpoints in {self.ckpt_root}: {e}\nIn loom train the "
+                    "micro batch is train.micro_batch (--set train.micro_batch=N), or keep the train.global_batch "
+                    "and --nproc of the run that saved them; train.seed must stay the run's. Nothing was trained; "
+                    f"to start over in {self.out}, delete {self.ckpt_root}.") from e
             raise ResumeError(
                 f"cannot resume from the checkpoints in {self.ckpt_root}: {e}\nThey were written by an earlier run "
                 f"of output dir {self.out}; this run cannot load them. `loom ckpt verify {self.out}` checks them. "
@@ -579,7 +626,7 @@ class Job:
 
     # -- the loop -------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        from .metrics import MetricsWriter
+        from .metrics import MetricsWriter, MfuMeter
         from .progress import Progress
 
         cfg, res = self.cfg, self.res
@@ -600,11 +647,15 @@ class Job:
                 dataloader=res.dataloader, train_step=res.train_step, keep_last=cfg.checkpoint.keep_last,
                 on_busy=cfg.checkpoint.on_busy, trainable_only=cfg.checkpoint.trainable_only)
         start = self.maybe_resume()
+        total = cfg.train.steps
         agreed = [start] * self.world
         dist.all_gather_object(agreed, start)
         if len(set(agreed)) != 1:
             raise RuntimeError(f"ranks resumed from different steps {agreed}: the checkpoint directory "
                                f"{self.ckpt_root} must be one shared path that every rank sees")
+        stop_at = total if self.max_steps_this_run is None else min(total, start + self.max_steps_this_run)
+        if start < stop_at:
+            self.write_config()
         if self.rank == 0:
             from .goodput import lost_work, process_start_time
 
@@ -621,7 +672,6 @@ class Job:
                 dropped = writer.truncate_after(start)
                 if dropped:
                     self.log(f"dropped {dropped} metrics records after step {start} (redone now)")
-        total = cfg.train.steps
         if start >= total:
             self.log(f"already trained {start}/{total} steps")
         if start == 0:
@@ -629,10 +679,10 @@ class Job:
             self.initial_eval_loss = self.last_eval_loss = self.evaluate()
             writer.write({"type": "eval", "step": 0, "eval_loss": self.initial_eval_loss})
             self.log(f"step 0: held-out loss {self.initial_eval_loss:.4f} ({time.perf_counter() - t:.1f} s)")
-        stop_at = total if self.max_steps_this_run is None else min(total, start + self.max_steps_this_run)
 
         ts = res.train_step
         accum = res.grad_accum_steps
+        self.mfu = MfuMeter(self.peak, step=start)  # MFU never above 1; flagged when the peak is unreliable
         step, micro, loss_acc, aux_acc = start, 0, 0.0, 0.0
         run_expert_tokens = None  # [layers, E] summed over the data-parallel ranks and this run's steps
         run_tokens, run_time, peaks = 0, 0.0, [0] * self.world
@@ -686,8 +736,7 @@ class Job:
                             "tokens": self.tokens_per_step, "tokens_seen": self.tokens_seen,
                             "tokens_per_s": tok_s, "step_time_s": dt,
                             "peak_mem_bytes": step_peaks, "peak_mem_source": self.mem.source,
-                            **mfu, "flops_per_token": self.flops_per_token,
-                            "peak_flops": self.peak_flops, "peak_flops_source": self.peak_flops_source,
+                            **mfu, "flops_per_token": self.flops_per_token,  # mfu: the peak it divides by too
                             "world_size": self.world, "skipped": bool(ts.last_step_skipped),
                             "t": time.time(), "attempt": self.attempt,
                         }
@@ -707,16 +756,21 @@ class Job:
                     self.train_time += dt
                     loss_acc = aux_acc = 0.0
                     self.pbar.update(1)
+                    paused = False  # evaluation or checkpoint: the step clock stops, the peak is measured again
                     if cfg.eval.interval and step % cfg.eval.interval == 0 and step < total:
                         self.last_eval_loss = self.evaluate()
                         writer.write({"type": "eval", "step": step, "eval_loss": self.last_eval_loss})
                         self.log(f"step {step}: held-out loss {self.last_eval_loss:.4f}")
+                        paused = True
                     if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < total:
                         if self.save(step):
                             last_saved = step
+                        paused = True
                     elif (self.flash is not None and cfg.checkpoint.memory_interval
                           and step % cfg.checkpoint.memory_interval == 0 and step < total):
                         self.save(step, persist=False)
+                    if paused and self.peak.measured:
+                        self.remeasure_peak(step)
                     if self.watchdog is not None:
                         self.watchdog.beat(step)
                     if step >= stop_at:
@@ -734,6 +788,15 @@ class Job:
                **self.mfu.summary(), "peak_mem_bytes": peaks, "writer": writer,
                "last_saved": last_saved, "expert_tokens": run_expert_tokens}
         return run
+
+    def remeasure_peak(self, step: int) -> None:
+        """Measure the peak FLOP/s again (collective, ~0.1 s, outside the step timing) and keep it when higher:
+        a peak read low at job start (the machine busy then) is raised, so MFU is not inflated for the whole run."""
+        from .metrics import REMEASURE_S, job_peak_flops
+
+        self.mfu.offer(job_peak_flops(self.device, self.res.compute_dtype, seconds=REMEASURE_S), step)
+        if self.mfu.note:
+            self.log(self.mfu.take_note())
 
     def _expert_record(self, aux_loss: float) -> dict[str, Any]:
         """The MoE fields of a train record (collective over the data-parallel ranks): the mean aux loss of the
@@ -832,8 +895,9 @@ class Job:
             "train_time_s": self.train_time, "this_run": {k: run[k] for k in ("start_step", "tokens", "time_s")},
             "tokens_seen": self.tokens_seen, "tokens_per_s": run["tokens_per_s"], "mfu": run["mfu"],
             "mfu_unreliable": run["mfu_unreliable"], "mfu_unreliable_reason": run["mfu_unreliable_reason"],
-            "peak_mem_bytes": run["peak_mem_bytes"], "peak_flops": self.peak_flops,
-            "peak_flops_source": self.peak_flops_source, "world_size": self.world, "strategy": self.strategy_used,
+            "peak_mem_bytes": run["peak_mem_bytes"], "peak_flops": run["mfu_peak"]["flops"],
+            "peak_flops_source": run["mfu_peak"]["source"], "mfu_peak": run["mfu_peak"],
+            "world_size": self.world, "strategy": self.strategy_used,
             "params": self.n_params, "tokens_per_step": self.tokens_per_step, "sample": sample,
             "weights": str(weights), "checkpoints": str(self.ckpt_root),
             "restarts": self.attempt,
@@ -900,8 +964,12 @@ def run(cfg: TrainConfig, max_steps_this_run: int | None = None) -> dict[str, An
     if max_steps_this_run is not None and max_steps_this_run < 1:
         raise ConfigError(f"--max-steps-this-run must be >= 1, got {max_steps_this_run}")
     job = Job(cfg, max_steps_this_run)
-    job.setup()
-    return job.finish(job.train())
+    try:
+        job.setup()
+        return job.finish(job.train())
+    finally:
+        for lock in getattr(job, "dir_lock", None) or ():  # the run is over (or failed): the next one may start
+            lock.release()
 
 
 # -------------------------------------------------------------------------------------- entry
@@ -929,6 +997,9 @@ def run_job(argv: list[str] | None = None) -> int:
     """Parse ``argv``, run the job and return its exit code: 0 done or stopped by request, 2 invalid config (the
     message on rank 0's stderr), 1 a checkpoint error (the message on each failing rank's stderr, no
     traceback) or any other failure (with its traceback), 130 interrupted."""
+    from torchloom.elastic.launcher import die_with_agent
+
+    die_with_agent()  # a worker of loom's launcher stops when the launcher dies (SIGKILL included)
     args = parser().parse_args(argv)
     code = 0
     try:
