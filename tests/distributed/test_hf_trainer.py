@@ -317,7 +317,7 @@ def test_refusals_advise_what_a_trainer_user_can_do(tmp_path):
         t.save_model(str(other))
     msg = str(e.value)
     assert "holds a full model" in msg and "nothing was written" in msg and "Pass overwrite=True" not in msg, msg
-    assert "another TrainingArguments.output_dir" in msg and f"delete {other} first" in msg
+    assert "another TrainingArguments.output_dir" in msg and f"move that model's files out of {other}" in msg
     assert f"torchloom.hf.save_pretrained(trainer.torchloom.model, '{other}', overwrite=True)" in msg
     assert sorted(p.name for p in other.iterdir()) == before  # no adapter, no training_args.bin
 

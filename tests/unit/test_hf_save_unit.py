@@ -284,7 +284,8 @@ def test_an_adapter_in_a_sub_folder_leaves_the_model_beside_it(tmp_path):
 # ------------------------------------------------------------------- the same model, field by field
 def test_a_config_json_no_hugging_face_save_wrote_is_refused(tmp_path, monkeypatch):
     """The user's own config.json (no model_type) is not an earlier save of any model: refused for a full model
-    and for an adapter (peft's save would delete it as the other kind's file); overwrite=True replaces it."""
+    and for an adapter (peft's save would delete it as the other kind's file), with overwrite=True too (it would
+    replace a file no save wrote; the fresh-user pass lost one that way): the advice is to move it."""
     from peft import LoraConfig, get_peft_model
 
     d = tmp_path / "exp"
@@ -300,9 +301,11 @@ def test_a_config_json_no_hugging_face_save_wrote_is_refused(tmp_path, monkeypat
     (a / "adapter_config.json").write_text(json.dumps({"rank": 8}))
     _refused(get_peft_model(tiny_llama(0), LoraConfig(r=2, target_modules=["q_proj"])), a,
              r"an adapter_config.json that is not a peft adapter config \(no peft_type", monkeypatch)
-    save_pretrained(tiny_llama(0), d, overwrite=True)
-    assert json.loads((d / "config.json").read_text())["model_type"] == "llama"
-    assert (d / "notes.txt").read_text() == "mine"
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    with pytest.raises(CheckpointError, match=r"never replaced \(overwrite=True neither\): nothing was written. Move "
+                                              r"that file out of .*exp, or save into another directory"):
+        save_pretrained(tiny_llama(0), d, overwrite=True)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
 
 
 def _llama(**kw):
@@ -371,3 +374,51 @@ def test_an_adapter_with_other_fields_is_refused_when_no_base_is_named(tmp_path,
     _refused(lora(target_modules=["q_proj", "k_proj", "v_proj"]), d,
              r'target_modules \["q_proj", "v_proj"\] there, \["k_proj", "q_proj", "v_proj"\] in this save',
              monkeypatch)
+
+
+def test_weights_without_a_config_are_another_model_unless_an_interrupted_save_names_them(tmp_path, monkeypatch):
+    """model.safetensors with no config.json beside it (export_safetensors' output, or any file) cannot be told
+    apart from another model's: refused (overwrite=True replaces it); the fresh-user pass lost one silently. An
+    interrupted save leaves the config it was putting back (PENDING_FILE): a re-save of that model needs no
+    switch, another model is refused, and a finished save leaves no pending file."""
+    from torchloom.hf import save_target
+
+    w = tmp_path / "weights"
+    w.mkdir()
+    (w / "model.safetensors").write_bytes(b"not even safetensors")
+    _refused(tiny_llama(0), w, r"holds a full model \(no config.json beside the weights, and no interrupted save",
+             monkeypatch)
+    save_pretrained(tiny_llama(0), w, overwrite=True)
+    assert json.loads((w / "config.json").read_text())["model_type"] == "llama"
+    assert not (w / save_target.PENDING_FILE).exists()
+
+    # an interrupted save: weights there, config.json removed, the pending file names it
+    cut = tmp_path / "cut"
+    save_pretrained(tiny_llama(0), cut)
+    (cut / save_target.PENDING_FILE).write_text(json.dumps({"config.json": (cut / "config.json").read_text()}))
+    (cut / "config.json").unlink()
+    _refused(_llama(hidden_size=64), cut, r"another model \(intermediate_size 128 there", monkeypatch)  # not the one named
+    save_pretrained(tiny_llama(0), cut)  # the same model: completes the save
+    assert (cut / "config.json").is_file() and not (cut / save_target.PENDING_FILE).exists()
+
+
+def test_a_users_tokenizer_files_are_not_replaced_by_a_save_with_tokenizer(tmp_path, monkeypatch):
+    """A folder with tokenizer files but no model: they are no earlier save's, so save_pretrained(...,
+    tokenizer=tok) refuses (overwrite=True replaces them); beside an earlier save of the same model they are its
+    own and are rewritten."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")))
+    d = tmp_path / "tok"
+    d.mkdir()
+    (d / "tokenizer.json").write_text('{"mine": true}')
+    with pytest.raises(CheckpointError, match=r"holds tokenizer files but no model: tokenizer.json; .*Pass "
+                                              r"overwrite=True to replace them, save without tokenizer="):
+        save_pretrained(tiny_llama(0), d, tokenizer=tok)
+    assert (d / "tokenizer.json").read_text() == '{"mine": true}' and not (d / "config.json").exists()
+    save_pretrained(tiny_llama(0), d)  # without the tokenizer: nothing of it is touched
+    assert (d / "tokenizer.json").read_text() == '{"mine": true}'
+    save_pretrained(tiny_llama(0), d, tokenizer=tok, overwrite=True)
+    assert json.loads((d / "tokenizer.json").read_text()) != {"mine": True}
+    save_pretrained(tiny_llama(0), d, tokenizer=tok)  # beside its own model now: a re-save

@@ -239,3 +239,41 @@ def test_a_batch_layout_the_data_position_misses_is_refused_before_launch(tmp_pa
                                       "--set", "train.micro_batch=6"])
     assert r.exit_code == 2 and not launched and "consumed 40 samples" in r.output, r.output
     assert _files(out) == before
+
+
+def test_a_dir_holding_a_hf_model_or_run_files_without_config_yaml_is_refused_before_anything(tmp_path):
+    """No config.yaml, so no run of ours: a Hugging Face model there would be refused only by the final export,
+    after every step trained (the fresh-user pass: exit 1 at the end, the same on every re-run); run files there
+    (metrics, checkpoints) would be written over. Refused up front, nothing changed; an empty dir or one holding
+    only the user's other files is fine."""
+    import json
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (hf / "model.safetensors").write_bytes(b"weights")
+    (hf / "notes.txt").write_text("mine")
+    before = _files(hf)
+    with pytest.raises(OutputDirInUse) as e:
+        check_output_dir(TrainConfig.load("smoke", [], str(hf)))
+    msg = str(e.value)
+    assert f"output dir {hf} holds a full model (model_type 'gpt2', GPT2LMHeadModel)" in msg
+    assert "config.json, model.safetensors" in msg and "no config.yaml of a loom train run" in msg
+    assert f"--output-dir {tmp_path / 'hf-2'}" in msg and "Nothing in" in msg
+    assert _files(hf) == before
+
+    run = tmp_path / "copied"  # a finished run's dir, its config.yaml and checkpoints deleted
+    _dense_run(run)
+    (run / "config.yaml").unlink()
+    import shutil
+
+    shutil.rmtree(run / "checkpoints")
+    with pytest.raises(OutputDirInUse, match=r"holds a full model \(model.safetensors\) and files of a run "
+                                             r"\(metrics.jsonl\) but no config.yaml"):
+        check_output_dir(TrainConfig.load("smoke", [], str(run)))
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    check_output_dir(TrainConfig.load("smoke", [], str(mine)))  # nothing a run writes: fine
+    check_output_dir(TrainConfig.load("smoke", [], str(tmp_path / "absent")))

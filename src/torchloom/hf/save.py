@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
 import os
 import re
 import shutil
@@ -118,7 +119,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, tokeniz
                          f"peft.PeftModel ({src.cls.__name__}); drop merge=True")
     plan = save_target.planned(src, merge)
     # rank 0 looks (the folder may be on its disk only); every rank raises before the collective gathering
-    replacing = commit.broadcast_from_rank0(lambda: save_target.check(dest, plan, overwrite))
+    replacing = commit.broadcast_from_rank0(lambda: save_target.check(dest, plan, overwrite, tokenizer is not None))
     sd = gather_full_state(model)  # rank 0 holds everything, the others {}
 
     def _write() -> str:
@@ -318,7 +319,10 @@ def _publish(staged: Path, dest: Path, replacing: set[Path]) -> None:
         return
     markers = [f for f in files if f.name in _MARKERS]
     model_dirs = {f.parent for f in files if save_target.is_model_file(f.name)}
-    for parent in model_dirs:
+    for parent in (p for p in model_dirs if (dest / p).is_dir()):  # what these weights are while their config
+        # is away (save_target.found reads it after an interrupted save)
+        pending = {m.name: (staged / m).read_text() for m in markers if m.parent == parent}
+        commit.write_file_durably(dest / parent / save_target.PENDING_FILE, json.dumps(pending))
         for m in _MARKERS:
             (dest / parent / m).unlink(missing_ok=True)
     commit.fsync_dir(dest)
@@ -338,6 +342,9 @@ def _publish(staged: Path, dest: Path, replacing: set[Path]) -> None:
             continue  # peft's generated model card does not replace the user's
         (dest / f).parent.mkdir(parents=True, exist_ok=True)
         os.replace(staged / f, dest / f)
+    commit.fsync_dirs(dest)
+    for parent in model_dirs:  # the configs are back: the weights say what they are again
+        (dest / parent / save_target.PENDING_FILE).unlink(missing_ok=True)
     commit.fsync_dirs(dest)
 
 

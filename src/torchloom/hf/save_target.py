@@ -42,6 +42,10 @@ TOKENIZER_FILE = re.compile(r"tokenizer(_config)?\.json|special_tokens_map\.json
                             r"|vocab\.(json|txt)|merges\.txt|(tokenizer|spiece|sentencepiece\.bpe)\.model"
                             r"|chat_template\.(jinja|json)|(preprocessor|processor)_config\.json")
 _SHARD = re.compile(r"-\d{5}-of-\d{5}\.")
+#: written into a folder while a save replaces its files (``torchloom.hf.save._publish``): ``{marker file name:
+#: its new content}``. Weights without their config file are an interrupted save of the model it names; without
+#: it, nobody can tell what model they hold.
+PENDING_FILE = ".torchloom-save-pending.json"
 
 #: config.json fields that change when the same model is saved again: bookkeeping, the dtype it is saved in,
 #: runtime switches and task metadata (``id2label`` is compared by its length: the number of labels)
@@ -288,15 +292,16 @@ def found(folder: Path) -> tuple[list[Saved], list[str]]:
         return [], []
     names = sorted(p.name for p in folder.iterdir() if p.is_file())
     saves = []
+    pending, _ = _read_json(folder / PENDING_FILE)
     if any(FULL_FILE.fullmatch(n) for n in names):
-        cfg, bad = _read_json(folder / "config.json")
+        cfg, bad = _config(folder, "config.json", pending)
         arch = cfg.get("architectures")
         foreign = _foreign(folder / "config.json", cfg, bad, "model_type", "a Hugging Face model config")
         saves.append(Saved("full", cfg.get("model_type") or None,
                            tuple(arch) if isinstance(arch, list) and arch else None, unreadable=bad,
                            foreign=foreign, config=cfg if cfg and not foreign else None))
     if any(ADAPTER_FILE.fullmatch(n) for n in names):
-        cfg, bad = _read_json(folder / "adapter_config.json")
+        cfg, bad = _config(folder, "adapter_config.json", pending)
         mapping = cfg.get("auto_mapping") if isinstance(cfg.get("auto_mapping"), dict) else {}
         foreign = _foreign(folder / "adapter_config.json", cfg, bad, "peft_type", "a peft adapter config")
         saves.append(Saved("adapter", peft_type=cfg.get("peft_type") or None,
@@ -304,6 +309,24 @@ def found(folder: Path) -> tuple[list[Saved], list[str]]:
                            base_class=mapping.get("base_model_class") or None, unreadable=bad, foreign=foreign,
                            config=cfg if cfg and not foreign else None))
     return saves, [n for n in names if is_model_file(n) or TOKENIZER_FILE.fullmatch(n)]
+
+
+def _config(folder: Path, name: str, pending: dict) -> tuple[dict, str | None]:
+    """The config file ``name`` of the model in ``folder`` (read as :func:`_read_json`). Absent (weights alone):
+    the one an interrupted save was putting there (``pending``, :data:`PENDING_FILE`), else why the weights'
+    model cannot be known."""
+    if (folder / name).exists():
+        return _read_json(folder / name)
+    text = pending.get(name)
+    if isinstance(text, str):
+        try:
+            cfg = json.loads(text)
+        except ValueError:
+            cfg = None
+        if isinstance(cfg, dict):
+            return cfg, None
+    return {}, (f"no {name} beside the weights, and no interrupted save of one (no {PENDING_FILE}): what model "
+                "they hold cannot be known")
 
 
 def _foreign(path: Path, cfg: dict, bad: str | None, key: str, what: str) -> str | None:
@@ -317,13 +340,15 @@ def _foreign(path: Path, cfg: dict, bad: str | None, key: str, what: str) -> str
     return f"{article} {path.name} that is not {what} (no {key}; its keys: {shown or 'none'})"
 
 
-def check(dest: Path, plan: dict[Path, Saved], overwrite: bool) -> set[Path]:
+def check(dest: Path, plan: dict[Path, Saved], overwrite: bool, tokenizer: bool = False) -> set[Path]:
     """Refuse a save into a folder holding another model; returns the folders (relative to ``dest``) whose other
-    model ``overwrite=True`` lets this save replace.
+    model ``overwrite=True`` lets this save replace. ``tokenizer``: the save writes tokenizer files into ``dest``.
 
     Raises:
-        CheckpointError: ``dest`` is not a directory; or, without ``overwrite``, a folder of ``plan`` holds
-            another model (naming it, its files, how it differs from the new one, and the switch).
+        CheckpointError: ``dest`` is not a directory; a folder of ``plan`` holds a config file no Hugging Face /
+            peft save wrote (never replaced); or, without ``overwrite``, a folder of ``plan`` holds another model
+            (naming it, its files, how it differs from the new one, and the switch), or ``dest`` holds tokenizer
+            files but no model (no earlier save wrote them) and ``tokenizer`` is set.
     """
     if dest.exists() and not dest.is_dir():
         raise CheckpointError(f"save_pretrained: {dest} exists and is not a directory")
@@ -333,8 +358,16 @@ def check(dest: Path, plan: dict[Path, Saved], overwrite: bool) -> set[Path]:
         other = [(s, why) for s in saves if (why := new.differences(s))]
         if not other:
             continue
+        where = dest / rel if rel != Path(".") else dest
+        foreign = [s for s, _ in other if s.foreign]
+        if foreign:  # a user's file: overwrite=True replaces only what a Hugging Face / peft save wrote
+            raise CheckpointError(
+                f"save_pretrained: {where} holds {foreign[0].describe()}: {_listing(files)}; this save writes "
+                f"{new.describe()}, whose "
+                f"{'config.json' if new.kind == 'full' else 'adapter_config.json'} would replace it. No Hugging Face "
+                f"or peft save wrote that file, so it is never replaced (overwrite=True neither): nothing was "
+                f"written. Move that file out of {where}, or save into another directory.")
         if not overwrite:
-            where = dest / rel if rel != Path(".") else dest
             held = " and ".join(s.describe() for s, _ in other)
             why = "; ".join(w for _, ws in other for w in ws)
             raise CheckpointError(
@@ -342,6 +375,15 @@ def check(dest: Path, plan: dict[Path, Saved], overwrite: bool) -> set[Path]:
                 f"another model ({why}). A save replaces only an earlier save of the same model, so nothing was "
                 f"written. {OVERWRITE_ADVICE}")
         replacing.add(rel)
+    if tokenizer and not overwrite:
+        saves, files = found(dest)
+        tok = [n for n in files if TOKENIZER_FILE.fullmatch(n)]
+        if tok and not saves:  # no model there: the tokenizer files are not an earlier save's
+            raise CheckpointError(
+                f"save_pretrained: {dest} holds tokenizer files but no model: {_listing(tok)}; this save writes "
+                f"{next(iter(plan.values())).describe()} with its tokenizer, which would replace them. Only an "
+                f"earlier save's tokenizer is replaced without asking, so nothing was written. Pass overwrite=True "
+                f"to replace them, save without tokenizer=, or save into another directory.")
     return replacing
 
 

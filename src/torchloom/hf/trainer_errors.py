@@ -30,8 +30,8 @@ def save_model_advice(output_dir: str) -> Iterator[None]:
         if OVERWRITE_ADVICE not in str(e):
             raise
         advice = (f"TorchloomTrainer.save_model does not replace another model: save into another directory "
-                  f"(trainer.save_model(other_dir), or another TrainingArguments.output_dir), delete {output_dir} "
-                  f"first, or replace that model's files (config, weights, adapter and tokenizer files; other files "
+                  f"(trainer.save_model(other_dir), or another TrainingArguments.output_dir), move that model's "
+                  f"files out of {output_dir}, or replace that model's files (config, weights, adapter and tokenizer files; other files "
                   f"stay) with torchloom.hf.save_pretrained(trainer.torchloom.model, {str(output_dir)!r}, "
                   f"overwrite=True) on every rank.")
         raise type(e)(str(e).replace(OVERWRITE_ADVICE, advice)) from e

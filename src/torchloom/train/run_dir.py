@@ -171,6 +171,7 @@ def check_output_dir(cfg: TrainConfig) -> None:
     out = Path(cfg.output_dir)
     saved_path = out / "config.yaml"
     if not saved_path.is_file():
+        _check_no_foreign_files(out, cfg)
         _check_resume_settings(out, cfg, None)
         return
     try:
@@ -191,6 +192,33 @@ def check_output_dir(cfg: TrainConfig) -> None:
         f"model, and nothing in {out} was changed. Pass another --output-dir for this model (e.g. --output-dir "
         f"{_another_dir(out, cfg, saved)}); to start over in {out}, delete it first. Changes that keep the model "
         "(steps, lr, logging, checkpoint interval, strategy, parallel layout, --nproc) resume the run instead.")
+
+
+def _check_no_foreign_files(out: Path, cfg: TrainConfig) -> None:
+    """Refuse an output dir with neither a run's ``config.yaml`` nor a complete checkpoint (so nothing to resume)
+    that holds files the run would write over or could not write: a Hugging Face model or adapter (the final
+    export, :func:`torchloom.hf.save_pretrained`, refuses another model's folder, after every step trained) or a
+    run's outputs (:data:`RUN_FILES`) whose model nobody can tell. A run that trained always left its
+    ``config.yaml``; with a complete checkpoint the resume decides (its seed here, its model when it loads).
+
+    Raises:
+        OutputDirInUse: naming the files found and the ways on (another ``--output-dir``, or move them).
+    """
+    from torchloom.checkpoint.commit import latest_complete
+    from torchloom.hf.save_target import found
+
+    saves, files = found(out)
+    run_files = [f for f in RUN_FILES if (out / f).exists() and f not in files]
+    if not (saves or run_files) or latest_complete(out / "checkpoints") is not None:
+        return
+    what = [f"{' and '.join(s.describe() for s in saves)} ({', '.join(files)})"] if saves else []
+    what += [f"files of a run ({', '.join(run_files)})"] if run_files else []
+    raise OutputDirInUse(
+        f"output dir {out} holds {' and '.join(what)} but no config.yaml of a loom train run nor a checkpoint to "
+        f"resume, so which model that is cannot be told: the run would write its metrics and summary over what is "
+        f"there and end by exporting its model there (model.safetensors, config.json, tokenizer files). Nothing in "
+        f"{out} was changed. Pass another --output-dir (e.g. --output-dir {_another_dir(out, cfg, {})}), or move "
+        f"those files out of {out}.")
 
 
 def _check_resume_settings(out: Path, cfg: TrainConfig, saved: Mapping[str, Any] | None) -> None:
