@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from torchloom.testing.dist import free_port  # noqa: F401  (re-exported for the elastic tests)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,10 +39,6 @@ def train(out: Path, cache: Path, steps: int, *extra: str, fault_plan: str | Non
                           stderr=subprocess.STDOUT, timeout=timeout)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_jsonl(path: Path) -> list[dict]:

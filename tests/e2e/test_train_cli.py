@@ -139,9 +139,14 @@ def test_rerun_of_a_finished_job_does_not_train_again(full_run, cache):
     out, proc = full_run
     assert proc.returncode == 0
     config = (out / "config.yaml").read_bytes()
-    again = smoke(out, cache, "--set", "sample.max_new_tokens=0")
+    summary = json.loads((out / "summary.json").read_text())
+    again = smoke(out, cache, "--set", "sample.max_new_tokens=0", "--set", "eval.batches=1")
     assert again.returncode == 0, again.stdout[-4000:]
     assert "resumed from step 20" in again.stdout
+    # its log says so (no "? tokens/s", no [0, 0] MiB); summary.json keeps the trained run's numbers, its losses
+    # included (this evaluation used 1 batch, the run's initial one more), and its sample
+    assert "done: all 20 steps were trained before, nothing trained now" in again.stdout and "? tokens/s" not in again.stdout
+    assert json.loads((out / "summary.json").read_text()) == summary
     # it trains nothing: config.yaml keeps the settings the trained steps used (smoke's max_new_tokens 16, not 0)
     assert (out / "config.yaml").read_bytes() == config
     records = read_jsonl(out / "metrics.jsonl")

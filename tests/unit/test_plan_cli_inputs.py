@@ -236,3 +236,8 @@ def test_analyze_config_refuses_a_dict_missing_a_size_too():
 
     with pytest.raises(ValueError, match=r"the llama config: hidden_size is not set.*'hidden_dim'.*hidden_size\?"):
         analyze_config(_without(TINY, "hidden_size", hidden_dim=64), seq_len=8)
+
+
+def test_a_misspelled_model_type_gets_a_suggestion(tmp_path):
+    err = _named_error(_plan_config(tmp_path, {**TINY, "model_type": "llamma"}, *ONE_GPU))
+    assert "model_type 'llamma' is not known to transformers. Did you mean 'llama'" in err, err

@@ -268,8 +268,8 @@ def test_a_dir_holding_a_hf_model_or_run_files_without_config_yaml_is_refused_be
     import shutil
 
     shutil.rmtree(run / "checkpoints")
-    with pytest.raises(OutputDirInUse, match=r"holds a full model \(model.safetensors\) and files of a run "
-                                             r"\(metrics.jsonl\) but no config.yaml"):
+    with pytest.raises(OutputDirInUse, match=r"holds a full model \(no config.json beside the weights.*\(model."
+                                             r"safetensors\) and files of a run \(metrics.jsonl\) but no config.yaml"):
         check_output_dir(TrainConfig.load("smoke", [], str(run)))
 
     mine = tmp_path / "mine"

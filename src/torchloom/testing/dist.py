@@ -25,8 +25,31 @@ from pathlib import Path
 from typing import Any, Callable
 
 
+#: ports :func:`free_port` draws from: below Linux's ephemeral range (32768-60999), which ``bind(0)`` and
+#: outgoing connections draw from, split into one block per pytest-xdist worker, so two test processes (or a
+#: connection's source port) never pick the same port between its check and its use
+PORT_BASE, PORT_BLOCK = 10000, 2500
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
+    """A TCP port on 127.0.0.1 that is free right now.
+
+    Under pytest-xdist (``PYTEST_XDIST_WORKER=gwN``) it is drawn at random from worker N's own block of
+    :data:`PORT_BLOCK` ports starting at :data:`PORT_BASE` (8 blocks, then they repeat): a port that was free
+    when checked is taken by the rank that asked for it, not by another worker's launch in the meantime.
+    Elsewhere, and when no port of the block is free, the kernel picks one (``bind(0)``)."""
+    import random
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        base = PORT_BASE + (int(worker[2:]) % 8) * PORT_BLOCK
+        for port in random.sample(range(base, base + PORT_BLOCK), 50):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -920,15 +920,21 @@ class Job:
         trained = step > run["start_step"]
         if self.rank == 0 and not trained and (self.out / "summary.json").exists():
             # a re-run of a finished job: keep the measured numbers of the run that trained
+            # (its losses too: this evaluation may use other eval settings than its initial one did)
             previous = json.loads((self.out / "summary.json").read_text())
-            summary = {**previous, "final_eval_loss": final, "sample": sample}
+            summary = {**previous, "sample": sample if sample is not None else previous.get("sample")}
         if self.rank == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
-            init = f"{self.initial_eval_loss:.4f}" if self.initial_eval_loss is not None else "?"
-            tps = f"{run['tokens_per_s']:,.0f}" if run["tokens_per_s"] else "?"
-            self.log(f"done: {step} steps; held-out loss {init} -> {final:.4f}; {tps} tokens/s; "
-                     f"wall {summary['wall_time_s']:.1f} s; peak memory per rank "
-                     f"{[round(b / 2**20) for b in run['peak_mem_bytes']]} MiB")
+            if trained:
+                init = f"{self.initial_eval_loss:.4f}" if self.initial_eval_loss is not None else "?"
+                tps = f"{run['tokens_per_s']:,.0f}" if run["tokens_per_s"] else "?"
+                self.log(f"done: {step} steps; held-out loss {init} -> {final:.4f}; {tps} tokens/s; "
+                         f"wall {summary['wall_time_s']:.1f} s; peak memory per rank "
+                         f"{[round(b / 2**20) for b in run['peak_mem_bytes']]} MiB")
+            else:
+                self.log(f"done: all {step} steps were trained before, nothing trained now; held-out loss "
+                         f"{final:.4f} with this run's eval settings (summary.json keeps the numbers of the run "
+                         "that trained)")
             self.log(f"weights {weights}; summary {self.out / 'summary.json'}")
             if sample is not None:
                 self.log("sample:\n" + sample)

@@ -143,10 +143,14 @@ def _another_dir(out: Path, cfg: TrainConfig, saved: Mapping[str, Any]) -> Path:
     return candidate
 
 
+def _has_checkpoints(out: Path) -> bool:
+    ckpts = out / "checkpoints"
+    return ckpts.is_dir() and any(ckpts.iterdir())
+
+
 def holds_run(out: Path) -> bool:
     """Whether ``out`` holds files of a run that started training (metrics, a summary, weights or checkpoints)."""
-    ckpts = out / "checkpoints"
-    return any((out / f).exists() for f in RUN_FILES) or (ckpts.is_dir() and any(ckpts.iterdir()))
+    return any((out / f).exists() for f in RUN_FILES) or _has_checkpoints(out)
 
 
 def check_output_dir(cfg: TrainConfig) -> None:
@@ -188,8 +192,9 @@ def check_output_dir(cfg: TrainConfig) -> None:
         return
     raise OutputDirInUse(
         f"output dir {out} holds a run of another model: {describe_model(saved)} ({saved_path}); this config "
-        f"builds {describe_model(cfg.to_dict())} ({'; '.join(diffs)}). Its checkpoints cannot be resumed by this "
-        f"model, and nothing in {out} was changed. Pass another --output-dir for this model (e.g. --output-dir "
+        f"builds {describe_model(cfg.to_dict())} ({'; '.join(diffs)}). "
+        f"{'Its checkpoints cannot be resumed by this model, and n' if _has_checkpoints(out) else 'N'}othing in "
+        f"{out} was changed. Pass another --output-dir for this model (e.g. --output-dir "
         f"{_another_dir(out, cfg, saved)}); to start over in {out}, delete it first. Changes that keep the model "
         "(steps, lr, logging, checkpoint interval, strategy, parallel layout, --nproc) resume the run instead.")
 
