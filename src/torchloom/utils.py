@@ -23,6 +23,23 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     return f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
 
 
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie, exited but not yet reaped, has); True when it
+    cannot be told (another user's process, no ``/proc``)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
 def distributed() -> bool:
     """True when a default process group exists."""
     return dist.is_available() and dist.is_initialized()

@@ -79,12 +79,11 @@ def _free_port() -> int:
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    """Whether ``pid`` is still a running saver (not a process that reused its pid)."""
+    from torchloom.utils import process_running
+
+    if not process_running(pid):
         return False
-    except PermissionError:
-        return True
     try:
         return b"torchloom.checkpoint.saver" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:

@@ -337,24 +337,10 @@ def die_with_agent(sig: int | None = None) -> bool:
         return False
     if os.getppid() == agent:  # checked after setting it: a death from now on is signalled
         return True
-    if not _running(agent):  # the agent died before prctl: nobody will signal this orphan
+    from torchloom.utils import process_running
+
+    if not process_running(agent):  # the agent died before prctl: nobody will signal this orphan
         print(f"[loom] the launcher (pid {agent}) of this worker is gone; exiting", file=sys.stderr, flush=True)
         os._exit(128 + sig)
     libc.prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)  # not the agent's child: leave this process as it was
     return False
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and has not exited (a zombie, exited but not yet reaped, has)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")

@@ -269,11 +269,10 @@ def hf_config_from_dict(d: dict[str, Any], where: str, notes: list[str] | None =
     if not mt:
         raise ModelSpecError(f"{where}: no 'model_type' in the config (e.g. \"llama\"); it names the architecture.")
     if mt not in CONFIG_MAPPING:
-        import difflib
+        from torchloom.utils import did_you_mean
 
-        close = difflib.get_close_matches(str(mt), sorted(CONFIG_MAPPING.keys()), n=3, cutoff=0.75)
-        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise ModelSpecError(f"{where}: model_type {mt!r} is not known to transformers.{hint}")
+        raise ModelSpecError(f"{where}: model_type {mt!r} is not known to transformers."
+                             f"{did_you_mean(str(mt), CONFIG_MAPPING.keys())}")
     check_config_dict(d, where)
     assumed = check_required_fields(d, where)
     if notes is not None:

@@ -91,11 +91,11 @@ def _record(fd: int, role: str, **extra) -> None:
 
 
 def _alive(rec: dict) -> bool:
-    from ..elastic.launcher import _running
+    from ..utils import process_running
 
     if rec.get("host") != socket.gethostname():
         return True  # another machine's process: cannot check, count it
-    return _running(rec["pid"])
+    return process_running(rec["pid"])
 
 
 def holders(path: Path) -> list[dict]:
