@@ -17,12 +17,19 @@ def _isolate_process_state():
     """A test that initialises the default process group in the pytest process (ATorch's one-process tests
     call ``init_distributed``) or runs ``auto_accelerate`` there leaves state the next test would see (a live
     group, the current torchloom mesh): tear both down after each test."""
+    import torch
     import torch.distributed as dist
 
     from torchloom.parallel import mesh as loom_mesh
 
     had_group = dist.is_available() and dist.is_initialized()
+    threads = torch.get_num_threads()
     yield
+    # a test that changed the intra-op thread count would change the next tests' single-process references:
+    # CPU matmuls sum in another order with 2 threads (the pipeline MoE reference of test_moe_layer_parallel
+    # moves 6.7e-6, past its 1e-6 tolerance; it failed once under 3 xdist workers after another file of gw0)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     loom_mesh.set_current_mesh(None)
     if not had_group and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
