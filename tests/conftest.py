@@ -10,6 +10,9 @@ os.environ.setdefault("TORCHLOOM_CONFIG_FILE", "none")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+_BASELINE_THREADS = torch.get_num_threads()  # OMP_NUM_THREADS=1 above: every test starts (and ends) with it
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +26,9 @@ def _isolate_process_state():
     from torchloom.parallel import mesh as loom_mesh
 
     had_group = dist.is_available() and dist.is_initialized()
-    threads = torch.get_num_threads()
+    threads = _BASELINE_THREADS  # not this test's start: a module fixture's setup ran before this one
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     yield
     # a test that changed the intra-op thread count would change the next tests' single-process references:
     # CPU matmuls sum in another order with 2 threads (the pipeline MoE reference of test_moe_layer_parallel
