@@ -149,7 +149,10 @@ def _complete_checkpoint(out: Path, step: int = 10, seed: int = 0) -> Path:
     ckpt.mkdir(parents=True)
     state = {"kind": "map", "epoch": 0, "consumed": step * 8, "seed": seed, "num_samples": 500,
              "global_batch_size": 8}
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": step, "dataloader": state}))
+    from torchloom.checkpoint.trainer_state import TRAINER_STATE_FORMAT
+
+    (ckpt / "trainer_state.json").write_text(json.dumps({"format": TRAINER_STATE_FORMAT, "step": step,
+                                                         "dataloader": state}))
     commit.write_marker(ckpt, step=step, world_size=2)
     assert commit.latest_complete(out / "checkpoints") == ckpt
     return ckpt

@@ -306,12 +306,14 @@ def check_resume_layout(cfg: TrainConfig, world_size: int) -> None:
 
 
 def _checkpoint_data_state(ckpt: Path) -> Mapping[str, Any] | None:
-    """The data position (the loader's ``state_dict()``) in checkpoint ``ckpt``'s ``trainer_state.json``, or None."""
-    import json
+    """The data position (the loader's ``state_dict()``) in checkpoint ``ckpt``'s ``trainer_state.json``, or None
+    (none recorded, or a document the resume itself will name as corrupt)."""
+    from torchloom.checkpoint.trainer_state import read_document
+    from torchloom.errors import CheckpointError
 
     try:
-        doc = json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
-        state = doc.get("dataloader") or (doc.get("dataloader_per_rank") or [None])[0]
-    except (OSError, ValueError, AttributeError, IndexError, TypeError):
+        doc = read_document(ckpt)
+    except CheckpointError:
         return None
+    state = doc.get("dataloader") or (doc.get("dataloader_per_rank") or [None])[0]
     return state if isinstance(state, Mapping) else None
