@@ -55,7 +55,7 @@ def variants() -> list[tuple[str, str]]:
 
 
 def hardware(gpus: int):
-    from torchloom.search.cluster import cluster_hardware, cluster_spec
+    from torchloom.cost.cluster import cluster_hardware, cluster_spec
 
     spec = cluster_spec(gpu="h100", gpus=gpus, gpus_per_node=GPUS_PER_NODE)
     hw = cluster_hardware(spec)

@@ -568,7 +568,7 @@ def calibrate(nproc: str | None, refresh: bool, budget: float, cache_dir: str | 
       loom calibrate --nproc 4 --refresh
       loom calibrate --nproc 1,2 --json
     """
-    from .search.calibrate_cli import run_command
+    from .cost.calibrate_cli import run_command
 
     _exit(run_command(nproc, refresh, budget, cache_dir, as_json))
 

@@ -75,7 +75,7 @@ def test_candidates_without_atorch_form(dims, methods):
 
 def test_space_keeps_atorch_expressible_candidates_of_every_kind():
     """On 4 ranks the restricted space still holds DDP, ZeRO-1/2/3, HSDP and TP plans."""
-    from torchloom.search.analysis import analyze_model
+    from torchloom.cost.analysis import analyze_model
     from torchloom.search.options import SearchOptions
     from torchloom.search.space import enumerate_space
 

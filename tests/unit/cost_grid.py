@@ -15,8 +15,8 @@ from test_search_cost import S, toy_hw, toy_info  # noqa: E402
 from torchloom.errors import TorchloomError  # noqa: E402
 from torchloom.parallel.mesh import ParallelDims  # noqa: E402
 from torchloom.search.candidate import Candidate  # noqa: E402
-from torchloom.search.cluster import cluster_hardware, cluster_spec  # noqa: E402
-from torchloom.search.cost import predict  # noqa: E402
+from torchloom.cost.cluster import cluster_hardware, cluster_spec  # noqa: E402
+from torchloom.search.pricing import predict  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "cost_predict_grid.json"
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchloom.search import calibrate
-from torchloom.search import load as machine_load
-from torchloom.search import microbench as mb
-from torchloom.search.hardware import Hardware
+from torchloom.cost import calibrate
+from torchloom.cost import load as machine_load
+from torchloom.cost import microbench as mb
+from torchloom.cost.hardware import Hardware
 from torchloom.testing import free_port
 from torchloom.train import metrics
 

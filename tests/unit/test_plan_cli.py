@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from torchloom.cli import main
-from torchloom.search.cluster import ClusterError, cluster_spec
+from torchloom.cost.cluster import ClusterError, cluster_spec
 
 CLUSTER_70B = ["--gpu", "h100", "--gpus", "1024", "--gpus-per-node", "8"]
 
@@ -69,9 +69,9 @@ def test_70b_table_and_explain():
 
 def test_strategy_is_evaluated_not_searched():
     from torchloom.search.candidate import Candidate
-    from torchloom.search.cluster import cluster_hardware
-    from torchloom.search.cost import predict
-    from torchloom.search.presets import resolve_model
+    from torchloom.cost.cluster import cluster_hardware
+    from torchloom.search.pricing import predict
+    from torchloom.cost.presets import resolve_model
 
     r = _plan("llama3-70b", *CLUSTER_70B, "--global-batch", "256", "--json",
               "--strategy", "[{parallel_mode: {tp: 8}}, tensor_parallel, fsdp, {amp: {dtype: bfloat16}}, checkpoint]")
@@ -97,8 +97,8 @@ def test_strategy_adds_data_parallel_as_auto_accelerate_does():
 
 
 def test_local_plans_with_the_calibration(monkeypatch):
-    from torchloom.search import calibrate
-    from torchloom.search.hardware import COLLECTIVES, CollectiveFit, Hardware
+    from torchloom.cost import calibrate
+    from torchloom.cost.hardware import COLLECTIVES, CollectiveFit, Hardware
 
     seen = []
 

@@ -82,7 +82,7 @@ def test_the_checks_pass_valid_configs(tmp_path):
     the architectures people plan (GLM-4-MoE's 96 heads over 4,096 hidden: it sets its own head size)."""
     from transformers import CONFIG_MAPPING
 
-    from torchloom.search.config_checks import check_config
+    from torchloom.cost.config_checks import check_config
 
     for cfg in (TINY, MOE, GPT2):
         r = _plan_config(tmp_path, cfg, *ONE_GPU)
@@ -232,7 +232,7 @@ def test_a_small_model_is_counted_in_k_or_m_not_0_00_b():
 
 
 def test_analyze_config_refuses_a_dict_missing_a_size_too():
-    from torchloom.search.analysis import analyze_config
+    from torchloom.cost.analysis import analyze_config
 
     with pytest.raises(ValueError, match=r"the llama config: hidden_size is not set.*'hidden_dim'.*hidden_size\?"):
         analyze_config(_without(TINY, "hidden_size", hidden_dim=64), seq_len=8)

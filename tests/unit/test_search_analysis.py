@@ -1,4 +1,4 @@
-"""Model analysis (torchloom.search.analysis): parameters, FLOPs, GEMM shapes and activation bytes against
+"""Model analysis (torchloom.cost.analysis): parameters, FLOPs, GEMM shapes and activation bytes against
 hand-computed formulas and against a real CPU run; the model is left unchanged; a 70B config on meta."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from tests.models import tiny_gpt2, tiny_llama
 from torchloom.errors import StrategyError
-from torchloom.search.analysis import analyze_config, analyze_model
+from torchloom.cost.analysis import analyze_config, analyze_model
 
 S = 32  # tokens per sample in these tests
 

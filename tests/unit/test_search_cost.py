@@ -8,10 +8,11 @@ import pytest
 
 from torchloom.parallel.mesh import ParallelDims
 from torchloom.search.candidate import Candidate
-from torchloom.search.cost import compose, predict, spans_nodes
-from torchloom.search.effects import Collective, Effects
-from torchloom.search.hardware import CollectiveFit, Hardware
-from torchloom.search.model_info import Matmul, ModelInfo, PartInfo, PassCost
+from torchloom.cost.model import spans_nodes
+from torchloom.search.pricing import compose, predict
+from torchloom.cost.effects import Collective, Effects
+from torchloom.cost.hardware import CollectiveFit, Hardware
+from torchloom.cost.model_info import Matmul, ModelInfo, PartInfo, PassCost
 from torchloom.strategy.registry import Method, register_method, unregister_method
 
 H, L, V, S = 64, 4, 128, 16  # hidden, blocks, vocab, tokens per sample

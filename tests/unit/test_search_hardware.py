@@ -8,9 +8,9 @@ import os
 import pytest
 
 from torchloom.errors import HardwareError
-from torchloom.search import accelerators as acc
-from torchloom.search import calibrate
-from torchloom.search.hardware import COLLECTIVES, CollectiveFit, Hardware
+from torchloom.cost import accelerators as acc
+from torchloom.cost import calibrate
+from torchloom.cost.hardware import COLLECTIVES, CollectiveFit, Hardware
 from torchloom.testing.dist import run_ranks
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -20,11 +20,11 @@ from models import tiny_llama, tiny_moe, tiny_moe_config  # noqa: E402
 from torchloom.moe import MoE  # noqa: E402
 from torchloom.moe.config import MoEConfig  # noqa: E402
 from torchloom.parallel.mesh import ParallelDims  # noqa: E402
-from torchloom.search.analysis import analyze_model  # noqa: E402
+from torchloom.cost.analysis import analyze_model  # noqa: E402
 from torchloom.search.candidate import Candidate, StepShape  # noqa: E402
-from torchloom.search.cost import compose, predict  # noqa: E402
-from torchloom.search.expert_cost import estimate_expert_parallel  # noqa: E402
-from torchloom.search.hardware import CollectiveFit, Hardware  # noqa: E402
+from torchloom.search.pricing import compose, predict  # noqa: E402
+from torchloom.cost.expert_cost import estimate_expert_parallel  # noqa: E402
+from torchloom.cost.hardware import CollectiveFit, Hardware  # noqa: E402
 from torchloom.search.options import SearchOptions  # noqa: E402
 from torchloom.search.space import check, enumerate_space  # noqa: E402
 from torchloom.search.validate import validate_strategy  # noqa: E402
@@ -203,7 +203,7 @@ def test_expert_memory_is_split_once_under_ddp_and_fsdp(mixtral):
 
 def test_dense_and_expert_elements_per_rank(mixtral):
     """The helpers data-parallel estimates read: dense elements (reduced over dp) and experts (over edp)."""
-    from torchloom.search.effects import dense_params, expert_params, rank_params
+    from torchloom.cost.effects import dense_params, expert_params, rank_params
 
     ex = mixtral.experts
     d = ParallelDims(dp_replicate=4, ep=2)
@@ -309,7 +309,7 @@ def test_loom_plan_mixtral_chooses_ep_and_explains_the_all_to_all():
 
 
 def report_info():
-    from torchloom.search.presets import resolve_model
+    from torchloom.cost.presets import resolve_model
 
     return resolve_model("mixtral-8x7b").analyze(8192)
 
@@ -438,7 +438,7 @@ def test_loom_plan_mixtral_default_options_considers_ep_with_edp_collectives():
     """Mixtral-8x7B on 64 H100s (8 per node), default options: the ranked rows that fit include ep > 1 plans,
     and their data-parallel collectives on the experts run over edp = dp / ep with 1/ep of a layer's experts
     per call (45.1 B / 32 layers / ep elements). Which plan wins is not asserted (the report says)."""
-    from torchloom.search.effects import dtype_bytes
+    from torchloom.cost.effects import dtype_bytes
     from torchloom.search.plan_cli import plan
 
     report = plan("mixtral-8x7b", gpu="h100", gpus=64, gpus_per_node=8)

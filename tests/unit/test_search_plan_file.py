@@ -12,7 +12,7 @@ from tests.models import tiny_llama, token_batches
 from tests.unit.test_search_space import toy_hw, toy_info
 from torchloom.errors import StrategyError
 from torchloom.parallel.mesh import ParallelDims
-from torchloom.search import calibrate
+from torchloom.cost import calibrate
 from torchloom.search.auto import machine_fingerprint, model_signature
 from torchloom.search.candidate import Candidate
 from torchloom.search.plan_file import Plan, read_plan, refusal, save_plan

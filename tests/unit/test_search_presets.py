@@ -1,4 +1,4 @@
-"""Built-in model presets and ``resolve_model`` (torchloom.search.presets): the published configs give the
+"""Built-in model presets and ``resolve_model`` (torchloom.cost.presets): the published configs give the
 published parameter counts, models are only ever built on the meta device, and bad specs are named."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from torchloom.search.presets import ModelSpecError, known_models, resolve_model
+from torchloom.cost.presets import ModelSpecError, known_models, resolve_model
 
 # Parameter counts of the published checkpoints (sum of the safetensors shapes on the Hugging Face model pages);
 # a wrong hidden/intermediate/head/vocab number in a preset moves these by >= 0.1%.

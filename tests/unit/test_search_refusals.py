@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from torchloom.errors import StrategyError
-from torchloom.search.analysis import analyze_model, sample_seq_len
+from torchloom.cost.analysis import analyze_model, sample_seq_len
 from torchloom.search.search import refusals, search
 from tests.unit.test_search_space import toy_hw, toy_info
 

@@ -12,8 +12,8 @@ from torchloom.errors import StrategyError
 from torchloom.parallel.dims import describe, divisors, factorisations, spans_nodes, view_size
 from torchloom.parallel.mesh import ParallelDims
 from torchloom.search.candidate import Candidate, Prediction
-from torchloom.search.hardware import CollectiveFit, Hardware
-from torchloom.search.model_info import Matmul, ModelInfo, PartInfo, PassCost
+from torchloom.cost.hardware import CollectiveFit, Hardware
+from torchloom.cost.model_info import Matmul, ModelInfo, PartInfo, PassCost
 from torchloom.search.options import SearchOptions
 from torchloom.search.search import search
 from torchloom.search.space import check, enumerate_space
@@ -324,7 +324,7 @@ def test_memory_advice_never_asks_for_fewer_devices_than_there_are():
 
 # ----------------------------------------------------------- the time limit, the fallback, the table (F9)
 def _slow_predict(delay_s):
-    from torchloom.search.cost import predict
+    from torchloom.search.pricing import predict
 
     def slow(cand, info, hw):
         import time

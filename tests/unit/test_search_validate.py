@@ -11,7 +11,7 @@ from torchloom import StrategyError
 from torchloom.api import plan_dims
 from torchloom.parallel.fit import check_model_fits
 from torchloom.parallel.mesh import ParallelDims
-from torchloom.search.model_info import ModelInfo
+from torchloom.cost.model_info import ModelInfo
 from torchloom.search.validate import validate_strategy
 
 from ..models import lm_loss, tiny_gpt2, tiny_llama, token_batches

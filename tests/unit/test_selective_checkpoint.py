@@ -8,7 +8,7 @@ import torch
 import torchloom
 from torchloom.parallel.mesh import ParallelDims
 from torchloom.search.candidate import Candidate, StepShape
-from torchloom.search.effects import Effects
+from torchloom.cost.effects import Effects
 
 from ..models import lm_loss, tiny_llama, token_batches
 
@@ -41,7 +41,7 @@ def test_selective_checkpoint_trains_like_no_checkpoint_and_saves_in_between():
 
 def test_selective_estimate_lies_between_none_and_full():
     from torchloom.methods.activation_checkpoint import ActivationCheckpoint, CheckpointConfig
-    from torchloom.search.analysis import analyze_model
+    from torchloom.cost.analysis import analyze_model
 
     with torch.device("meta"):
         model = tiny_llama(layers=3)

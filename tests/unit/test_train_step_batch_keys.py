@@ -57,7 +57,7 @@ def test_a_type_error_inside_forward_is_not_rewritten():
 def test_the_analysis_of_strategy_auto_names_unexpected_batch_keys_too():
     """strategy='auto' traces the first batch before anything runs: a key forward has no parameter for is named
     there as train_step names it (batch keys, forward's parameters, formats), not as a value-dependent shape."""
-    from torchloom.search.analysis import analyze_model
+    from torchloom.cost.analysis import analyze_model
 
     batch = {"x": torch.ones(1, 4), "idx": torch.tensor([0])}
     with pytest.raises(ValueError) as e:

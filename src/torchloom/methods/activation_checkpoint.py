@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..cost.effects import Effects, activation_bytes, blocks_per_rank, dtype_bytes
 from ..errors import StrategyError
 from ..parallel.blocks import find_blocks
 from ..strategy.registry import Method, Stage, register_method
@@ -62,8 +63,6 @@ class ActivationCheckpoint(Method):
         ``mode="selective"`` also keeps every attention output and every other weight matmul's output, and
         recomputes the other half of the weight matmuls plus all memory-bound ops
         (:func:`_selective_saves`)."""
-        from ..search.effects import Effects, activation_bytes, blocks_per_rank, dtype_bytes
-
         nb = blocks_per_rank(info, dims)
         if not nb or (self.config.wrap_cls and not set(self.config.wrap_cls) & set(info.block_classes)):
             return Effects(self.name, notes=["no block of the wrap classes: nothing checkpointed"])
@@ -141,8 +140,6 @@ def _selective_saves(info, step) -> tuple[float, float]:
     (``count`` a multiple of the heads) over the head dimension (``[s, s]`` scores, ``[s, head_dim]`` output); the
     others are weight matmuls, half of whose outputs (``m x n`` each, compute dtype) are kept. Attention
     keeps its output (``m x heads x head_dim``) and its FLOPs are not recomputed."""
-    from ..search.effects import dtype_bytes
-
     d = info.dims
     heads, hd = d.get("num_heads"), d.get("head_dim")
     blocks = info.blocks

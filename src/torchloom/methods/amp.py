@@ -9,6 +9,7 @@ from typing import Literal
 
 import torch
 
+from ..cost.effects import Collective, Effects, blocks_per_rank, dtype_bytes, rank_params
 from ..parallel.loss_scaler import DynamicLossScaler
 from ..parallel.precision import upcast_low_precision
 from ..strategy.registry import Method, Stage, register_method
@@ -64,8 +65,6 @@ class Amp(Method):
         (kept for backward), and casts each matmul's weight and input (two extra ops per GEMM); with fsdp the
         ``MixedPrecisionPolicy`` casts the shards before the all-gather (priced by fsdp). fp16 adds the loss
         scaler's found-inf all-reduce over the world."""
-        from ..search.effects import Collective, Effects, blocks_per_rank, dtype_bytes, rank_params
-
         e = Effects(self.name)
         # memory-bound traffic (traced in fp32) shrinks as the tensors the ops touch move to the low dtype:
         # the analysis' saved-activation bytes under autocast vs fp32 measure that share

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..cost.effects import Effects
 from ..parallel.blocks import find_blocks
 from ..strategy.registry import Method, Stage, register_method
 
@@ -33,8 +34,6 @@ class Compile(Method):
     def estimate(self, info, dims, hw, step):
         """Not modelled: priced as eager (the fusion gain depends on the backend and the model). The search
         never adds compile on its own (``search_configs`` is empty); a strategy naming it gets this note."""
-        from ..search.effects import Effects
-
         return Effects(self.name, notes=["speed-up of torch.compile not modelled (priced as eager)"])
 
     def apply(self, ctx) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..cost.effects import Collective, Effects, dense_params, dtype_bytes, expert_params, rank_params
 from ..parallel.buffers import install_buffer_sync, running_stat_buffers
 from ..parallel.comm_hooks import register_comm_hook
 from ..parallel.expert.reduce import (ExpertGradReducer, broadcast_states_by_group, ddp_ignore_names,
@@ -82,14 +83,12 @@ class DDP(Method):
         gradients across steps (``gradient_as_bucket_view``: the gradients are views into it, else a copy).
 
         Under expert parallelism (``ep > 1``, a model with experts) DDP holds only the dense parameters
-        (:func:`~torchloom.search.effects.dense_params`): the buckets and their all-reduce over ``dp`` are
+        (:func:`~torchloom.cost.effects.dense_params`): the buckets and their all-reduce over ``dp`` are
         the dense gradients', and the expert gradients (the rank's ``1/ep``,
-        :func:`~torchloom.search.effects.expert_params`) are summed over ``edp`` by one flat all-reduce per
+        :func:`~torchloom.cost.effects.expert_params`) are summed over ``edp`` by one flat all-reduce per
         dtype at the step, after the backward (``ExpertGradReducer``): not overlapped, uncompressed (the comm
         hook is DDP's), none when ``edp == 1``. The reducer's flat copy exists only between the backward and
         the optimizer step and is not counted."""
-        from ..search.effects import Collective, Effects, dense_params, dtype_bytes, expert_params, rank_params
-
         c = self.config
         pd = dtype_bytes(step.param_dtype)
         experts = getattr(info, "experts", None) is not None and dims.ep > 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..cost.expert_cost import estimate_expert_parallel
 from ..errors import StrategyError
 from ..strategy.registry import Method, Stage, register_method
 
@@ -64,9 +65,7 @@ class ExpertParallel(Method):
 
     def estimate(self, info, dims, hw, step):
         """The all-to-all dispatch/combine per MoE layer, expert parameter memory 1/ep
-        (``torchloom.search.expert_cost.estimate_expert_parallel``)."""
-        from ..search.expert_cost import estimate_expert_parallel
-
+        (``torchloom.cost.expert_cost.estimate_expert_parallel``)."""
         return estimate_expert_parallel(self.config, info, dims, hw, step)
 
     def experts_modules(self, model, ep: int, required: bool = True) -> list[tuple[str, object]]:

@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from ..cost.effects import (Collective, Effects, GROUPED, block_params, blocks_per_rank, dense_params,
+                            dtype_bytes, expert_params, moe_layers_per_rank, rank_params)
 from ..parallel.blocks import find_blocks, shared_parameter_owners
 from ..parallel.buffers import broadcast_module_states, install_buffer_sync
 from ..parallel.expert.reduce import broadcast_states_by_group, expert_tensor_ids
@@ -96,9 +98,6 @@ class FSDP(Method):
         without the experts, and every experts module is its own unit on the 1-D ``edp`` view (``apply``,
         :func:`_shard_experts`), see :func:`_expert_units`.
         """
-        from ..search.effects import (Collective, Effects, block_params, blocks_per_rank, dtype_bytes,
-                                      rank_params)
-
         c = self.config
         n, r = dims.dp_shard, dims.dp_replicate
         cd, pd = dtype_bytes(step.compute_dtype), dtype_bytes(step.param_dtype)
@@ -267,8 +266,6 @@ def _expert_units(info, dims) -> _ExpertUnits | None:
     """The experts as FSDP units of their own, or None when FSDP treats them as dense: a model without
     experts, or ``ep == 1`` (``expert_parallel`` then records no expert group, so the experts stay in their
     blocks' units on the dense mesh, as the estimate prices them without this)."""
-    from ..search.effects import block_params, dense_params, expert_params, moe_layers_per_rank
-
     ex = getattr(info, "experts", None)
     if ex is None or dims.ep <= 1:
         return None
@@ -289,8 +286,6 @@ def _price_expert_units(e, ex: _ExpertUnits, dims, nb: int, cd: int, rd: int, ac
     collective of a pass are the root's, already counted exposed); none when ``edp == 1``. Transient: ZeRO-3
     the last block's experts gathered with it, ZeRO-2 all of the rank's. The extra units' hooks add to
     ``ops_add`` per block instance."""
-    from ..search.effects import GROUPED, Collective
-
     edp = dims.edp
     e.group_memory_scale["expert"] = {k: 1.0 / edp for k in GROUPED}
     e.grads_unsharded_accum += ex.elements * rd

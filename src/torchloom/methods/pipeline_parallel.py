@@ -5,6 +5,9 @@ import inspect
 from dataclasses import dataclass
 from typing import Literal
 
+from ..cost.effects import (Collective, Effects, PipelineShape, StageLoad, activation_bytes, block_params,
+                            dtype_bytes, embed_params, hidden_bytes)
+from ..cost.memo import memo_model_check
 from ..errors import StrategyError
 from ..parallel.pipeline.placement import SCHEDULES, SPLIT_BACKWARD
 from ..strategy.registry import Method, Stage, register_method
@@ -90,9 +93,6 @@ class PipelineParallel(Method):
         ``m``, 1F1B and ZB-V ``min(m, p-r)``, interleaved ``min(mv, 2(p-r-1) + (v-1)p + 1) / v`` (Megatron's
         warm-up). The most loaded rank (parameters + 3 x for gradients and Adam state + activations) sets the
         memory; one send of the hidden state per micro-batch and chunk in each direction."""
-        from ..search.effects import (Collective, Effects, PipelineShape, activation_bytes, dtype_bytes,
-                                      hidden_bytes)
-
         p = dims.pp
         if p <= 1:
             return None
@@ -101,8 +101,6 @@ class PipelineParallel(Method):
         loads = stage_loads(info, c, p)
         nb = max(info.num_blocks, 1)
         blocks_act, rest_act = activation_bytes(info, step)
-        from ..search.effects import block_params, embed_params
-
         block_p = block_params(info)
         rest_p = info.rest.params if info.rest is not None else 0
 
@@ -155,8 +153,6 @@ class PipelineParallel(Method):
             _check_schedule_fits(c, strategy)
         if info.module is not None:
             from ..parallel.pipeline.build import plan_stages
-            from ..search.validate import memo_model_check
-
             memo_model_check(info.module, ("pipeline_parallel", repr(c), dims.pp),
                              lambda: plan_stages(info.module, c, dims.pp, profile=False))
         elif dims.pp * c.virtual > info.num_blocks + 2:
@@ -190,12 +186,10 @@ class PipelineParallel(Method):
 
 
 def stage_loads(info, c: PipelineConfig, pp: int) -> list:
-    """What each pipeline rank holds (:class:`~torchloom.search.effects.StageLoad`): from ``plan_stages`` on
+    """What each pipeline rank holds (:class:`~torchloom.cost.effects.StageLoad`): from ``plan_stages`` on
     ``info.module`` when the analysis kept the meta model (the split ``apply`` makes), else the same
     parameter balance over [embedding, blocks..., head]. Memoised on ``info`` per configuration."""
     from ..parallel.pipeline.placement import stage_ranks
-    from ..search.effects import StageLoad, block_params, embed_params
-
     key = (pp, c.virtual, c.schedule, tuple(c.split_points or ()), c.balance)
     memo = info.__dict__.setdefault("_stage_loads", {})
     if key in memo:

@@ -13,6 +13,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
+from ..cost.effects import (Collective, Effects, activation_bytes, attention_is_eager, blocks_per_rank,
+                            dtype_bytes, hidden_bytes)
+from ..cost.memo import memo_model_check
 from ..errors import StrategyError
 from ..parallel.tensor import Flags, auto_plan, check_divisible, custom_plan, parallelize_part, resolve_plan
 from ..parallel.tensor.apply import check_fsdp_compatible
@@ -102,9 +105,6 @@ class TensorParallel(Method):
         * DTensor: each sharded Linear's forward + backward costs ``_DTENSOR_OPS_PER_LINEAR`` dispatched ops
           more (from_local, sharding propagation, redistribute, to_local around each sharded matmul).
         """
-        from ..search.effects import (Collective, Effects, activation_bytes, attention_is_eager, blocks_per_rank,
-                                      dtype_bytes, hidden_bytes)
-
         t = dims.tp
         if t <= 1:
             return None
@@ -161,8 +161,6 @@ class TensorParallel(Method):
                         f"tensor_parallel: {info.name} {key} = {size} is not divisible by tp={tp}, so the ranks "
                         f"cannot hold equal whole parts. Use a tp degree that divides it or change the model.")
             return
-        from ..search.validate import memo_model_check
-
         def check() -> None:
             plan = auto_plan(model) if self.config.plan == "auto" else custom_plan(model, self.config.plan)
             resolved = resolve_plan(model, plan)

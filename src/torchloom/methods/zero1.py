@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ..cost.effects import Collective, Effects, dtype_bytes, rank_params
 from ..errors import StrategyError
 from ..strategy.registry import Method, Stage, register_method
 
@@ -52,8 +53,6 @@ class Zero1(Method):
     def estimate(self, info, dims, hw, step):
         """Optimizer state 1/dp per rank; after the step each rank broadcasts its updated shard
         (``dp`` broadcasts of 1/dp of the parameters, on the critical path)."""
-        from ..search.effects import Collective, Effects, dtype_bytes, rank_params
-
         dp = dims.dp
         e = Effects(self.name, memory_scale={"optimizer": 1.0 / dp})
         if dp > 1:

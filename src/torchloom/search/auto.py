@@ -2,7 +2,7 @@
 concrete strategy and batch split before ``auto_accelerate`` applies it to the user's model.
 
 ``"auto"``: analyse the model (meta device / fake tensors), calibrate the machine
-(:func:`torchloom.search.calibrate.job_hardware`), reuse the cached plan for the same model, batch, world
+(:func:`torchloom.cost.calibrate.job_hardware`), reuse the cached plan for the same model, batch, world
 size, machine and options, else search (the confirming trials train fresh copies of the model:
 ``search["model_factory"]`` or a deep copy) and cache the result. A plan file: check it was made for this
 model, world size, global batch and machine, else refuse (or search again with ``on_mismatch="research"``).
@@ -96,7 +96,7 @@ def resolve(model: nn.Module, strategy: Any, search: dict | SearchOptions | None
 def model_signature(model: nn.Module) -> str:
     """The model's identity for plan files: a hash of its class, parameter and buffer names, shapes and
     dtypes (independent of the sequence length)."""
-    from .analysis import signature
+    from ..cost.analysis import signature
 
     return signature(model, 0)
 
@@ -151,15 +151,15 @@ def _first_difference(built: nn.Module, model: nn.Module) -> str:
 
 
 def machine_fingerprint() -> dict[str, Any]:
-    """This machine's fingerprint with the job's backend (:func:`torchloom.search.calibrate.fingerprint`)."""
-    from .calibrate import fingerprint
+    """This machine's fingerprint with the job's backend (:func:`torchloom.cost.calibrate.fingerprint`)."""
+    from ..cost.calibrate import fingerprint
 
     return fingerprint(str(dist.get_backend()) if dist.is_initialized() else None)
 
 
 def _search(model, options: SearchOptions, loader_args: dict, world: int, recipe: dict) -> Resolved:
-    from .analysis import analyze_model
-    from .calibrate import job_hardware
+    from ..cost.analysis import analyze_model
+    from ..cost.calibrate import job_hardware
     from .search import search as run_search
 
     global_batch = loader_args.get("batch_size")
@@ -246,9 +246,9 @@ def _sample(dataset, loader_args: dict) -> Any:
 
 
 def _seq_len(sample: Any) -> int | None:
-    """Tokens per sample (:func:`torchloom.search.analysis.sample_seq_len`): None for an input without a
+    """Tokens per sample (:func:`torchloom.cost.analysis.sample_seq_len`): None for an input without a
     sequence dimension (images, feature vectors), whose throughput the search counts in samples."""
-    from .analysis import sample_seq_len
+    from ..cost.analysis import sample_seq_len
 
     try:
         return sample_seq_len(sample)

@@ -1,11 +1,13 @@
-"""One point of the search space (:class:`Candidate`), the step shape the methods' ``estimate`` hooks read
-(:class:`StepShape`), and what the cost model predicts for a candidate (:class:`Prediction`)."""
+"""One point of the search space (:class:`Candidate`). The step shape the methods' ``estimate`` hooks read
+(:class:`~torchloom.cost.step.StepShape`) and what the cost model predicts (:class:`~torchloom.cost.step.Prediction`)
+live in :mod:`torchloom.cost.step`; they are re-exported here."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..parallel.mesh import ParallelDims
+from ..cost.step import Prediction, StepShape  # noqa: F401  (re-exported)
 from ..strategy.strategy import Strategy
 
 
@@ -84,81 +86,3 @@ class Candidate:
     def from_dict(cls, d: dict[str, Any]) -> "Candidate":
         return cls(ParallelDims(**d["dims"]), tuple((n, dict(c or {})) for n, c in d["methods"]),
                    int(d["micro_batch"]), int(d["grad_accum"]), int(d["seq_len"]))
-
-
-@dataclass
-class StepShape:
-    """What every method's ``estimate`` hook may read about the step besides the mesh degrees.
-
-    Attributes:
-        micro_batch / grad_accum / seq_len: as in :class:`Candidate`.
-        methods: canonical names of every method in the candidate (to see e.g. whether amp is on).
-        configs: each method's config as a dict.
-        compute_dtype: dtype name of the matmuls (``"bfloat16"`` under amp/half, else ``"float32"``).
-        param_dtype: dtype name the parameters are stored in (``"bfloat16"`` under half).
-    """
-
-    micro_batch: int
-    grad_accum: int
-    seq_len: int
-    methods: list[str]
-    configs: dict[str, dict[str, Any]]
-    compute_dtype: str = "float32"
-    param_dtype: str = "float32"
-
-    @classmethod
-    def of(cls, cand: Candidate, param_dtype: str = "float32") -> "StepShape":
-        configs = {n: dict(c) for n, c in cand.methods}
-        compute = param_dtype
-        for n in ("amp", "half"):
-            if n in configs:
-                compute = _dtype_name(configs[n].get("dtype", "bfloat16"))
-        if "half" in configs:
-            param_dtype = compute
-        return cls(cand.micro_batch, cand.grad_accum, cand.seq_len, list(configs), configs, compute, param_dtype)
-
-
-def _dtype_name(s: str) -> str:
-    """Canonical dtype name of an amp/half ``dtype`` option (their own table of spellings)."""
-    from ..methods.amp import DTYPES
-
-    return str(DTYPES[s]).removeprefix("torch.") if s in DTYPES else s
-
-
-@dataclass
-class Prediction:
-    """The cost model's answer for one candidate, per rank (the most loaded rank).
-
-    Attributes:
-        step_time_s: predicted seconds per optimizer step.
-        time: the breakdown of ``step_time_s`` in seconds (``forward``, ``backward``, ``recompute``,
-            ``optimizer``, ``comm_exposed:<label>``, ``bubble``, ...); the parts sum to ``step_time_s``.
-        memory: predicted peak bytes per rank by category (``params``, ``grads``, ``optimizer``,
-            ``activations``, ``temporary``, ``headroom``); they sum to ``peak_memory_bytes``.
-        peak_memory_bytes: the sum of ``memory``.
-        memory_limit_bytes: the device memory it is compared with.
-        tokens_per_s: tokens per second over the whole job; ``tokens_per_s_per_device`` divides by world size.
-        mfu: model FLOPs utilisation: model FLOPs per second per device (no recomputation) / ``peak_flops``.
-        peak_flops: the per-device peak the MFU divides by (dtype of the matmuls), FLOP/s.
-        collectives: each collective's per-step record (kind, bytes, group, calls, seconds, exposed seconds).
-        notes: assumptions the estimate made.
-    """
-
-    step_time_s: float
-    time: dict[str, float] = field(default_factory=dict)
-    memory: dict[str, float] = field(default_factory=dict)
-    peak_memory_bytes: float = 0.0
-    memory_limit_bytes: float = 0.0
-    tokens_per_s: float = 0.0
-    tokens_per_s_per_device: float = 0.0
-    mfu: float = 0.0
-    peak_flops: float = 0.0
-    collectives: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def fits(self) -> bool:
-        return self.peak_memory_bytes <= self.memory_limit_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)

@@ -14,10 +14,10 @@ from typing import Any
 
 from ..errors import StrategyError, TorchloomError
 from .candidate import Candidate, Prediction
-from .cluster import ClusterSpec, cluster_hardware, cluster_spec
-from .hardware import Hardware
-from .model_info import ExpertsInfo
-from .presets import ModelSpec, resolve_model
+from ..cost.cluster import ClusterSpec, cluster_hardware, cluster_spec
+from ..cost.hardware import Hardware
+from ..cost.model_info import ExpertsInfo
+from ..cost.presets import ModelSpec, resolve_model
 
 GiB = 1024.0 ** 3
 MEMORY_ORDER = ("params", "grads", "optimizer", "activations", "temporary", "headroom")
@@ -166,7 +166,7 @@ def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_pe
          search_options: dict[str, Any] | None = None, hardware: Hardware | None = None,
          sample: str | None = None, input_format: str | None = None,
          progress: Progress | None = None) -> PlanReport:
-    """Plan ``model`` on a cluster (the arguments of :func:`~torchloom.search.cluster.cluster_spec`).
+    """Plan ``model`` on a cluster (the arguments of :func:`~torchloom.cost.cluster.cluster_spec`).
 
     Args:
         model: a preset name, a ``config.json`` path or ``pkg.module:factory`` (:func:`resolve_model`).
@@ -179,7 +179,7 @@ def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_pe
         search_options: the search's pins/excludes (``{"exclude": [...], "fixed": {"tp": 8}}``).
         hardware: use this :class:`Hardware` instead of building it from the cluster options (tests).
         sample / input_format: for a factory model: ``pkg.module:fn`` returning one micro-batch-1 batch, and
-            how it is passed (:func:`~torchloom.search.presets.resolve_model`).
+            how it is passed (:func:`~torchloom.cost.presets.resolve_model`).
         progress: told each phase (:class:`Progress`: ``loom plan`` says on stderr what a long plan does).
 
     Raises:
@@ -281,7 +281,7 @@ def search_rows(info, hw: Hardware, world: int, global_batch: int, seq_len: int,
 
 
 def _predict(cand: Candidate, info, hw: Hardware) -> Prediction:
-    from .cost import predict
+    from .pricing import predict
 
     return predict(cand, info, hw)
 

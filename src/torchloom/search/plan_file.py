@@ -37,10 +37,10 @@ class Plan:
 
     Attributes:
         candidate: the chosen plan (degrees, methods, micro-batch, accumulation, sequence length).
-        model: the model's signature (:func:`torchloom.search.analysis.signature` of its parameters and
+        model: the model's signature (:func:`torchloom.cost.analysis.signature` of its parameters and
             buffers: names, shapes, dtypes) and its name.
         world_size / global_batch / seq_len: what the plan was searched for.
-        machine: the machine fingerprint (:func:`torchloom.search.calibrate.fingerprint`).
+        machine: the machine fingerprint (:func:`torchloom.cost.calibrate.fingerprint`).
         options: the search options that shaped it (:meth:`SearchOptions.cache_dict`).
         search: the :class:`SearchResult` as a dict (ranked predictions, trials' measurements).
         created: UNIX time the plan was written.

@@ -19,8 +19,8 @@ from torch import nn
 from ..errors import StrategyError
 from ..parallel.dims import factorisations
 from .candidate import Candidate, Prediction
-from .hardware import Hardware
-from .model_info import ModelInfo
+from ..cost.hardware import Hardware
+from ..cost.model_info import ModelInfo
 from .options import SearchOptions
 from .result import Evaluated, SearchResult, Trial
 from .space import BATCH_REASONS, Space, ac_levels, check, enumerate_space, mesh_label, state_lower_bound, with_extra
@@ -57,7 +57,7 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
         seq_len: tokens per sample (default ``info.seq_len``; needed to analyse ``model``).
         options: a :class:`SearchOptions` or the user's ``search={...}`` dict.
         runner: runs the confirming trials (see :data:`Runner`); None = predictions only.
-        predict: the cost model (default :func:`torchloom.search.cost.predict`).
+        predict: the cost model (default :func:`torchloom.search.pricing.predict`).
         progress: ``progress(phase)`` is told what the search is doing, every few hundred candidates (``loom
             plan`` prints it when a plan runs long).
 
@@ -76,7 +76,7 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
         info = _analyse(model, seq_len)
     seq_len = seq_len or info.seq_len
     if predict is None:
-        from .cost import predict
+        from .pricing import predict
     ranks_per_node = hw.ranks_per_node if hw.num_nodes > 1 else None
     usable = hw.memory_bytes * (1 - options.headroom)
     say(f"enumerating the layouts of {world_size:,} ranks")
@@ -127,7 +127,7 @@ def _analyse(model, seq_len: int | None) -> ModelInfo:
         raise StrategyError("search needs a model (or a factory) or a ModelInfo (info=...).")
     if seq_len is None:
         raise StrategyError("search needs seq_len (tokens per sample) to analyse the model.")
-    from .analysis import analyze_model
+    from ..cost.analysis import analyze_model
 
     return analyze_model(model, seq_len=seq_len)
 

@@ -27,7 +27,7 @@ from ..errors import StrategyError
 from ..parallel.dims import divisors, factorisations, spans_nodes
 from ..parallel.mesh import ParallelDims
 from .candidate import Candidate
-from .model_info import ModelInfo
+from ..cost.model_info import ModelInfo
 from .options import BUILTIN_CHOICES, SearchOptions
 
 #: registry methods the space enumerates by its own rules

@@ -12,10 +12,10 @@ from ..utils import did_you_mean
 if TYPE_CHECKING:
     from ..context import AccelContext
     from ..parallel.mesh import ParallelDims
-    from ..search.candidate import StepShape
-    from ..search.effects import Effects
-    from ..search.hardware import Hardware
-    from ..search.model_info import ModelInfo
+    from ..cost.step import StepShape
+    from ..cost.effects import Effects
+    from ..cost.hardware import Hardware
+    from ..cost.model_info import ModelInfo
 
 
 @dataclass
@@ -84,7 +84,7 @@ class Method:
     def estimate(self, info: "ModelInfo", dims: "ParallelDims", hw: "Hardware",
                  step: "StepShape") -> "Effects | None":
         """What this method does per rank and per optimizer step: memory by category, compute, and the
-        collectives it adds (kind, bytes, group, overlap); see :class:`torchloom.search.effects.Effects`.
+        collectives it adds (kind, bytes, group, overlap); see :class:`torchloom.cost.effects.Effects`.
         None (the default): no effect the cost model needs to know about."""
         return None
 

@@ -141,7 +141,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
     """Best observed ``n x n`` matmul rate (FLOP/s) on ``device``: single calls timed for ``seconds`` and at
     least 3 times, the fastest wins (a timing disturbed by another process never sets the rate).
     ``n``: 1024 on CPU, 4096 on a GPU (a smaller GEMM there measures the launch, not the math)."""
-    from torchloom.search.microbench import solo_matmul_rate
+    from torchloom.cost.microbench import solo_matmul_rate
 
     return solo_matmul_rate(device, dtype, n or (1024 if device.type == "cpu" else 4096), seconds, samples=3)
 
@@ -166,7 +166,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, seconds
 class PeakFlops:
     """The per-rank peak MFU divides by: ``flops`` (FLOP/s), ``source`` (``"table:<gpu>:<dtype>"`` or
     ``"measured:..."``) and, for a measured one, the machine ``load`` the benchmark ran under
-    (:func:`torchloom.search.load.assess`; empty for a datasheet peak)."""
+    (:func:`torchloom.cost.load.assess`; empty for a datasheet peak)."""
 
     flops: float
     source: str
@@ -183,7 +183,7 @@ class PeakFlops:
 
     def describe(self) -> str:
         """The job log's line: the peak, its source and, when measured, the load."""
-        from torchloom.search.load import describe
+        from torchloom.cost.load import describe
 
         text = f"peak {self.flops / 1e9:.1f} GFLOP/s per rank ({self.source})"
         if self.load:
@@ -200,7 +200,7 @@ def job_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = PE
     """The job's peak, measured by every rank at once for ``seconds`` (cores are shared) and the best rank's
     kept, with the load it ran under. Collective: every rank of the default group calls it. The training's
     random streams are left as found (the benchmark draws from its own generator)."""
-    from torchloom.search.load import LoadWindow, assess
+    from torchloom.cost.load import LoadWindow, assess
 
     window = LoadWindow()
     state = torch.random.get_rng_state()
@@ -226,7 +226,7 @@ class MfuMeter:
     ``mfu_unreliable`` (the peak in effect was measured under load, or some step so far achieved more than
     it), ``peak_flops``/``peak_flops_source``/``peak_flops_step`` (the peak this record divides by and the
     step it was measured at) and, on the first record that divides by a peak, ``peak_flops_load`` (the load
-    it was measured under: :func:`torchloom.search.load.compact`). :attr:`note` holds lines to log (a step
+    it was measured under: :func:`torchloom.cost.load.compact`). :attr:`note` holds lines to log (a step
     above the peak, a raised peak; :meth:`take_note` clears them); :meth:`summary` gives the run's figures.
     """
 
@@ -263,7 +263,7 @@ class MfuMeter:
         return True
 
     def _reason(self) -> str:
-        from torchloom.search.load import describe
+        from torchloom.cost.load import describe
 
         top = max(self.achieved, default=0.0)
         if top > self.peak.flops:
@@ -287,7 +287,7 @@ class MfuMeter:
         out = {"mfu": mfu, "mfu_unreliable": bool(self._reason()), "peak_flops": self.peak.flops,
                "peak_flops_source": self.peak.source, "peak_flops_step": self.step}
         if not self._announced:
-            from torchloom.search.load import compact
+            from torchloom.cost.load import compact
 
             out["peak_flops_load"] = compact(self.peak.load)
             self._announced = True
@@ -298,7 +298,7 @@ class MfuMeter:
         peak (None when no record, or when a step exceeded that peak), ``mfu_unreliable``,
         ``mfu_unreliable_reason``, and ``mfu_peak``: the peak divided by (``flops``, ``source``, ``step``,
         ``load``) and every measurement (``step``, ``flops``, ``stolen_fraction``, ``under_load``)."""
-        from torchloom.search.load import compact
+        from torchloom.cost.load import compact
 
         reason = self._reason()
         exceeded = max(self.achieved, default=0.0) > self.peak.flops

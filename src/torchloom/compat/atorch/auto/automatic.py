@@ -125,7 +125,7 @@ def _round_trips(strategy: Strategy, cand: Candidate, world_size: int) -> bool:
 
 def restricted_predict(world_size: int):
     """The cost model, refusing what ATorch's loop cannot run (a StrategyError prunes the candidate)."""
-    from ....search.cost import predict
+    from ....search.pricing import predict
 
     def predict_atorch(cand: Candidate, info, hw):
         if cand.grad_accum != 1:
@@ -186,8 +186,8 @@ def run_search(model, *, optim_func, optim_args, dataset, loss_func, prepare_inp
     import torch.distributed as dist
 
     from ....parallel.distributed import init_distributed
-    from ....search.analysis import analyze_model
-    from ....search.calibrate import job_hardware
+    from ....cost.analysis import analyze_model
+    from ....cost.calibrate import job_hardware
     from ....search.runner import run_trials
     from ....search.search import search
 

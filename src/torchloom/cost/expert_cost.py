@@ -1,7 +1,7 @@
 """What expert parallelism costs per rank: the ``estimate`` of the ``expert_parallel`` method.
 
 ``expert_parallel.estimate`` calls :func:`estimate_expert_parallel`; the cost model composes the result with
-the other methods' effects (:mod:`torchloom.search.effects`). The layout is the mesh's: ``ep`` carved out of
+the other methods' effects (:mod:`torchloom.cost.effects`). The layout is the mesh's: ``ep`` carved out of
 the data-parallel ranks (``dp = edp x ep``), experts ``Shard(0)`` over ``ep``, dense layers over all ``dp``.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the planner knows about a model, measured without allocating it (meta device / fake tensors).
 
-Filled by :func:`torchloom.search.analysis.analyze_model`; read by the methods' ``validate``/``estimate``
+Filled by :func:`torchloom.cost.analysis.analyze_model`; read by the methods' ``validate``/``estimate``
 hooks and the cost model. Every quantity is for **micro-batch 1** at ``seq_len`` tokens per sample unless a
 field says otherwise: compute and activations scale linearly with the micro-batch size (the tokens
 dimension ``m`` of every GEMM is ``micro_batch * seq_len``).
@@ -139,7 +139,7 @@ class ModelInfo:
         experts: the routed experts (:class:`ExpertsInfo`) of a Mixture-of-Experts model, None for a dense one.
         sequence: whether a sample is a sequence of ``seq_len`` tokens; False for an input without one (images,
             feature vectors: ``seq_len`` is then 1 and throughput is counted in samples;
-            :func:`torchloom.search.analysis.sample_seq_len`).
+            :func:`torchloom.cost.analysis.sample_seq_len`).
     """
 
     name: str

@@ -81,7 +81,7 @@ def load_config(hf_config: Any):
 
     Raises:
         ValueError: no ``model_type``, or one transformers does not know; a dict or file leaving out a size that
-            defines the model (``ModelSpecError``: :func:`~torchloom.search.config_checks.check_required_fields`).
+            defines the model (``ModelSpecError``: :func:`~torchloom.cost.config_checks.check_required_fields`).
     """
     from pathlib import Path
 

@@ -1,8 +1,8 @@
 """What one strategy method does to a rank's step: the vocabulary of the methods' ``estimate`` hooks.
 
 A method's :meth:`~torchloom.strategy.registry.Method.estimate` returns an :class:`Effects`; the cost model
-(:func:`torchloom.search.cost.predict`) starts from the single-device baseline of a
-:class:`~torchloom.search.model_info.ModelInfo` and applies every method's effects **in stage order** by
+(:func:`torchloom.cost.model.predict`) starts from the single-device baseline of a
+:class:`~torchloom.cost.model_info.ModelInfo` and applies every method's effects **in stage order** by
 the same rules, so a user-registered method that implements ``estimate`` composes with the built-ins:
 
 * memory, per category (:data:`MEMORY`): ``value = value * memory_scale[cat] + memory_add[cat]`` (bytes per
@@ -55,7 +55,7 @@ class Collective:
     """One kind of collective a method issues, per rank.
 
     Attributes:
-        kind: one of ``torchloom.search.hardware.COLLECTIVES`` (``"all_reduce"``, ``"all_gather"``, ...).
+        kind: one of ``torchloom.cost.hardware.COLLECTIVES`` (``"all_reduce"``, ``"all_gather"``, ...).
         nbytes: bytes per rank per call, as ``Hardware.collective_time`` reads them (the tensor all-reduced,
             the *output* of an all-gather, the *input* of a reduce-scatter, the tensor sent).
         view: the mesh view it runs over (:data:`VIEWS`); its degree is the group size.

@@ -8,7 +8,7 @@
 
   - Hugging Face experts run their ``grouped_mm`` implementation: the eager one loops over the experts hit
     (``nonzero``: data-dependent shapes fake tensors cannot give); the grouped GEMM is traced with balanced
-    groups (:mod:`torchloom.search.op_trace`), the same assumption as above;
+    groups (:mod:`torchloom.cost.op_trace`), the same assumption as above;
   - every other experts module (``torchloom.moe.GroupedExperts``: ``bincount(...).tolist()`` and a split per
     expert) runs :func:`balanced_forward` instead: the dispatch gather, its fused weights as batched GEMMs
     over ``E`` equal groups (a gated pair ``silu(a) * b`` where two first-layer weights or one of twice the

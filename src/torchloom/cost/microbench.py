@@ -1,6 +1,6 @@
 """Timed micro-benchmarks that every rank of a process group runs at the same moment.
 
-Used by :mod:`torchloom.search.calibrate`. Ranks that share a machine also share its cores and memory
+Used by :mod:`torchloom.cost.calibrate`. Ranks that share a machine also share its cores and memory
 channels, so each number here is measured with **all ranks working at once** and is the time the *slowest*
 rank took (a training step waits for its slowest rank): per-rank matmul FLOP/s by GEMM size and dtype,
 memory bandwidth, per-op dispatch overhead, and collective times by message size and group size — groups

@@ -1,11 +1,11 @@
 """The cost model: ``predict(candidate, info, hw) -> Prediction`` by pure arithmetic (no process group, no
 allocated model; ~0.1 ms per candidate, so ``loom plan`` can rank thousands).
 
-1. The single-device baseline from :class:`~torchloom.search.model_info.ModelInfo`: parameters, gradients
+1. The single-device baseline from :class:`~torchloom.cost.model_info.ModelInfo`: parameters, gradients
    and Adam state (2 x the trainable elements) in the parameter dtype (fp32, or the ``half`` dtype), the
    activations of one micro-batch from ``act_bytes`` of the compute dtype, the largest transient of a part.
-2. Every method's :class:`~torchloom.search.effects.Effects` (its ``estimate`` hook), applied in stage order
-   by the rules of :mod:`torchloom.search.effects`.
+2. Every method's :class:`~torchloom.cost.effects.Effects` (its ``estimate`` hook), applied in stage order
+   by the rules of :mod:`torchloom.cost.effects`.
 3. Time per micro-batch on the slowest rank: each GEMM at the achieved rate for its size
    (``hw.matmul_rate``), the other bytes at ``hw.mem_bw``, each dispatched op at ``hw.op_overhead_s``;
    recomputation; the pipeline bubble; collectives at ``hw.collective_time`` over their group, exposed
@@ -17,15 +17,18 @@ allocated model; ~0.1 ms per candidate, so ``loom plan`` can rank thousands).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..parallel.dims import spans_nodes  # noqa: F401  (re-exported: the node-span rule the cost model uses)
-from ..strategy.registry import resolve_name
-from .candidate import Candidate, Prediction, StepShape
+from .step import Prediction, StepShape
 from .effects import (DTYPE_BYTES, MEMORY, MEMORY_SET, Collective, Effects, PipelineShape, StageLoad,
                       expert_shard_scale)
 from .hardware import Hardware
 from .model_info import ModelInfo, PassCost
+
+if TYPE_CHECKING:
+    from ..search.candidate import Candidate
+    from ..strategy.registry import Method
 
 
 #: allocator headroom as a fraction of the allocated peak, by device type. CUDA: the caching allocator
@@ -45,7 +48,8 @@ OVERLAP_EFFICIENCY = {"cuda": 1.0, "cpu": 0.0}
 _ADAM_PARAM_RW, _ADAM_GRAD_R, _ADAM_STATE_RW = 2, 1, 4
 
 
-def predict(cand: Candidate, info: ModelInfo, hw: Hardware, *, memory_limit: float | None = None) -> Prediction:
+def predict(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence["Method"], *,
+            memory_limit: float | None = None) -> Prediction:
     """Predict one optimizer step of ``cand`` for the model ``info`` on ``hw``, per rank (the most loaded).
 
     Args:
@@ -54,6 +58,8 @@ def predict(cand: Candidate, info: ModelInfo, hw: Hardware, *, memory_limit: flo
             differ: compute and activations scale linearly with the tokens, which ignores attention's
             quadratic term for the difference).
         hw: the machine.
+        methods: the candidate's method objects in stage order, with what ``auto_accelerate`` adds
+            (:func:`torchloom.search.pricing.method_instances`; ``torchloom.search.pricing.predict`` passes them).
         memory_limit: bytes per rank to compare with (default ``hw.memory_bytes``).
 
     Returns:
@@ -61,10 +67,9 @@ def predict(cand: Candidate, info: ModelInfo, hw: Hardware, *, memory_limit: flo
         ``peak_memory_bytes``.
 
     Raises:
-        StrategyError: a method name that is not registered.
         ValueError: hardware without the calibration a term needs.
     """
-    c = compose(cand, info, hw)
+    c = compose(cand, info, hw, methods)
     step, dims, notes, mem, state, mb = c.step, cand.dims, c.notes, c.memory, c.baseline, c.mb
     mm, other, ops_scale, ops_add, recompute = c.matmul_scale, c.other_scale, c.ops_scale, c.ops_add, c.recompute
     time_add, collectives, pipeline = c.time_add, c.collectives, c.pipeline
@@ -167,15 +172,12 @@ class Composed:
         self.__dict__.update(kw)
 
 
-def compose(cand: Candidate, info: ModelInfo, hw: Hardware) -> Composed:
+def compose(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence["Method"]) -> Composed:
     """Every method's :class:`Effects` applied in stage order to the single-device baseline: per-rank memory
     by category (``memory``, before the peak phase is chosen), the compute scales, the recomputed fraction,
     extra seconds, the collectives and the pipeline shape.
 
-    Raises:
-        StrategyError: a method name that is not registered.
     """
-    methods = _method_instances(cand)
     step = StepShape.of(cand, info.param_dtype)
     dims = cand.dims
     notes: list[str] = []
@@ -433,45 +435,3 @@ def _exposed(collectives: list[tuple[str, Collective]], dims, hw: Hardware,
         for rec, fixed, f in group:
             rec["exposed_s"] = fixed + (f - hidden * f / free if free else 0.0)
     return recs, sum(r["exposed_s"] for r in recs)
-
-
-# -- methods -------------------------------------------------------------------------------------------
-_METHOD_CACHE: dict[str, Any] = {}
-
-
-def _method_instances(cand: Candidate) -> list:
-    """The candidate's method objects in stage order, with what ``auto_accelerate`` adds: implied methods,
-    and a data-parallel method for dp > 1 when none is given (ddp; under tensor parallelism a replicating
-    fsdp, ``torchloom.strategy.data_parallel``). Memoised by the methods' names and configs."""
-    try:
-        key = (tuple((n, tuple(sorted(c.items()))) for n, c in cand.methods), cand.dims.dp > 1)
-        hash(key)
-    except TypeError:  # list-valued options (wrap_cls): a text key
-        import json
-
-        key = (json.dumps([[n, c] for n, c in cand.methods], sort_keys=True, default=str), cand.dims.dp > 1)
-    out = _METHOD_CACHE.get(key)
-    if out is None:
-        out = _METHOD_CACHE[key] = _build_methods(cand)
-    return out
-
-
-def _build_methods(cand: Candidate) -> list:
-    from ..strategy.data_parallel import REPLICATING_FSDP
-
-    items = [(n, dict(c)) for n, c in cand.methods if n != "parallel_mode"]
-    names = set()
-    for n, _ in list(items):
-        cls, _ = resolve_name(n)
-        names.add(cls.name)
-        for imp in cls.implies:
-            if imp not in names and all(resolve_name(x)[0].name != imp for x, _ in items):
-                items.append((imp, {}))
-    if cand.dims.dp > 1 and not any(resolve_name(n)[0].data_parallel for n, _ in items):
-        name, config = REPLICATING_FSDP if "tensor_parallel" in names else ("ddp", {})
-        items.append((name, dict(config)))
-    out = []
-    for n, c in items:
-        cls, overrides = resolve_name(n)
-        out.append(cls(cls.Config(**{cls.key_aliases.get(k, k): v for k, v in {**overrides, **c}.items()})))
-    return sorted(out, key=lambda m: type(m).stage)

@@ -8,7 +8,7 @@ repeated block replaced for the duration of the call by a pass-through, captures
 call (``args``/``kwargs``: position embeddings, masks, ...) and traces the "rest" (embeddings, final norm,
 head, loss); ONE instance per block class is then traced forward + backward on those inputs and multiplied
 by the number of instances. Each trace runs twice: in fp32 and under ``torch.autocast("cpu", bfloat16)``
-(activation bytes of both precisions). See :mod:`torchloom.search.op_trace` for what is counted.
+(activation bytes of both precisions). See :mod:`torchloom.cost.op_trace` for what is counted.
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def analyze_config(hf_config: Any, *, seq_len: int | None = None, name: str | No
 
     The model is built with fp32 parameters (the planner's master weights, whatever ``torch_dtype`` the
     config names) via ``AutoModelForCausalLM.from_config``, else the seq2seq or base auto class. The config's
-    architecture fields are checked first (:func:`torchloom.search.config_checks.check_config`), and a
+    architecture fields are checked first (:func:`torchloom.cost.config_checks.check_config`), and a
     ``seq_len`` longer than a learned position table (GPT-2's ``n_positions``) is refused: the real run would
     index past it, the fake-tensor trace would not notice.
 

@@ -1,12 +1,12 @@
 """The architecture fields of a Hugging Face config that the planner reads, checked before anything is built
-or traced: a bad field is a :class:`~torchloom.search.presets.ModelSpecError` naming the field, its value and
+or traced: a bad field is a :class:`~torchloom.cost.presets.ModelSpecError` naming the field, its value and
 the rule it breaks (``loom plan`` exit 2), never a traceback from deep inside the model's forward.
 
 The same checks run on a ``config.json`` dict (the user's spelling of each field, before transformers fills
 defaults) and on a built config object (the defaults included). What transformers itself checks when it builds
 the config or the model (``hidden_size`` divisible by the heads where the model has no ``head_dim`` of its own,
-an even rotary dimension, ...) is reported by :func:`torchloom.search.presets.hf_config_from_dict` and
-:func:`torchloom.search.analysis.analyze_config` as the same kind of error: many models set their own head size,
+an even rotary dimension, ...) is reported by :func:`torchloom.cost.presets.hf_config_from_dict` and
+:func:`torchloom.cost.analysis.analyze_config` as the same kind of error: many models set their own head size,
 so a rule of ours there would refuse valid configs (GLM-4-MoE: 96 heads over a hidden size of 4,096).
 
 A ``config.json`` dict must also set every size that defines the parameters and FLOPs where transformers' default

@@ -15,7 +15,7 @@ A file that cannot be read, or that holds another machine's fingerprint, ranks p
 no record of the machine's load and layout probe, is ignored with a warning and re-measured. ``loom calibrate``
 refreshes it.
 
-Load: every calibration records the load it ran under (:mod:`torchloom.search.load`); one taken under load
+Load: every calibration records the load it ran under (:mod:`torchloom.cost.load`); one taken under load
 is cached as ``provisional`` (never over a quiet one) and warned about. Before a cached calibration is
 trusted, the load is measured *now* (:func:`measure_now`: a :data:`microbench.PROBE_S` window of
 ``/proc/stat`` around a matmul probe run in the calibration's layout, all ranks' worth of threads at once)
@@ -148,7 +148,7 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
     ``budget_s`` (seconds) is split over the measurements; each still runs at least one timed call, so
     large messages on a slow backend can exceed it (the wall time is recorded in ``sources``).
 
-    The load the measurement ran under is recorded (``load``: :func:`torchloom.search.load.assess`, plus
+    The load the measurement ran under is recorded (``load``: :func:`torchloom.cost.load.assess`, plus
     ``probe_flops`` and ``probe_workers``: the re-check probe, :func:`measure_now`'s, that rank 0 runs first
     with ``ranks_per_node`` threads while the other ranks wait); under load the result is ``provisional``.
 
@@ -157,7 +157,7 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
     """
     if not dist.is_available() or not dist.is_initialized():
         raise HardwareError("measure_in_group needs an initialised process group (dist.init_process_group); "
-                            "without a job use torchloom.search.calibrate.local_hardware(ranks_per_node).")
+                            "without a job use torchloom.cost.calibrate.local_hardware(ranks_per_node).")
     t_start = time.perf_counter()
     members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     world = len(members)
@@ -341,9 +341,9 @@ def _probe_record(device: torch.device, flops: float, workers: int, threads: int
 
 def measure_now(device: torch.device, threads: int, ranks_per_node: int) -> dict[str, Any]:
     """The machine now, as a cached calibration of ``ranks_per_node`` ranks x ``threads`` threads would
-    see it, in this process (~:data:`microbench.PROBE_S` s): a :class:`~torchloom.search.load.LoadWindow`
+    see it, in this process (~:data:`microbench.PROBE_S` s): a :class:`~torchloom.cost.load.LoadWindow`
     around the re-check probe (:func:`_probe`), assessed for the calibration's layout. Returns
-    :func:`torchloom.search.load.assess`'s record plus ``probe_flops``/``probe_workers``; what
+    :func:`torchloom.cost.load.assess`'s record plus ``probe_flops``/``probe_workers``; what
     :func:`recheck` compares with the cache. Inside a job every rank calls :func:`_measure_now_in_group`."""
     workers = _probe_workers(device, ranks_per_node)
     window = machine_load.LoadWindow()
@@ -527,7 +527,7 @@ def job_hardware(refresh: bool = False, *, cache_dir: str | os.PathLike | None =
     """
     if not dist.is_available() or not dist.is_initialized():
         raise HardwareError("job_hardware needs an initialised process group; outside a job use "
-                            "torchloom.search.calibrate.local_hardware(ranks_per_node).")
+                            "torchloom.cost.calibrate.local_hardware(ranks_per_node).")
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
     backend = str(dist.get_backend())

@@ -1,8 +1,8 @@
 """What the planner knows about the machines: achieved compute, memory bandwidth and collective costs.
 
-A :class:`Hardware` comes either from calibration on this machine (:func:`torchloom.search.calibrate.
+A :class:`Hardware` comes either from calibration on this machine (:func:`torchloom.cost.calibrate.
 local_hardware`, cached per machine fingerprint) or from the built-in accelerator table
-(:func:`torchloom.search.accelerators.cluster`), and is read by the methods' ``estimate`` hooks and the cost
+(:func:`torchloom.cost.accelerators.cluster`), and is read by the methods' ``estimate`` hooks and the cost
 model through the query methods below, never by poking at the raw fits.
 
 Units: seconds, bytes, FLOP/s, bytes/s.
@@ -65,7 +65,7 @@ class Hardware:
         sources: where each value came from (datasheet URL or "measured <date>").
         threads_per_rank: intra-op threads each rank computed with when measured (0 = not applicable:
             a table entry for a GPU).
-        load: the machine load a calibration ran under (:func:`torchloom.search.load.assess`'s record, plus
+        load: the machine load a calibration ran under (:func:`torchloom.cost.load.assess`'s record, plus
             ``probe_flops``/``probe_workers``/``probe_version``: the re-check probe then, run in the
             calibration's layout); empty for a table entry.
         provisional: measured under load (``load["under_load"]``): the rates may read low, so it is re-measured

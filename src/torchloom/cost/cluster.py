@@ -2,7 +2,7 @@
 (``--gpu h100 --gpus 1024 --gpus-per-node 8``) or this machine, calibrated (``--local [--nproc N]``).
 
 :func:`resolve_cluster` checks the description (every missing or inconsistent field named) and returns the
-:class:`~torchloom.search.hardware.Hardware` the cost model reads.
+:class:`~torchloom.cost.hardware.Hardware` the cost model reads.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class ClusterSpec:
 
 
 def known_gpus() -> list[str]:
-    """The accelerator table's names (``torchloom.search.accelerators``; its aliases: ``h100`` = ``h100-sxm``,
+    """The accelerator table's names (``torchloom.cost.accelerators``; its aliases: ``h100`` = ``h100-sxm``,
     ``a100`` = ``a100-80gb``, ...)."""
     from .accelerators import ACCELERATORS
 

@@ -3,7 +3,7 @@
 Each :class:`Accelerator` holds datasheet numbers — **dense** (not 2:4-sparse) peak FLOP/s per dtype, memory
 size and HBM bandwidth, the intra-node link bandwidth per GPU (unidirectional) and a typical inter-node
 bandwidth per GPU — with the datasheet URL of every value in ``sources``. :func:`cluster` turns one into a
-:class:`~torchloom.search.hardware.Hardware` through the efficiency assumptions below; each is a named
+:class:`~torchloom.cost.hardware.Hardware` through the efficiency assumptions below; each is a named
 constant with where it comes from. None was fitted to torchtitan's published Llama rows (they are the
 held-out check of ``benchmarks/search_accuracy.py``).
 
@@ -269,7 +269,7 @@ def cluster(gpu: str | Accelerator | dict | None, gpus: int | None, gpus_per_nod
     matmul = {dt: gemm_curve(acc, dt) for dt in acc.peak_flops}
     sizes = [g for g in range(2, per_node + 1) if per_node % g == 0]
     intra = {k: {g: collective_fit(acc, k, g) for g in sizes} for k in COLLECTIVES} if sizes else {}
-    assumption = "assumption, see torchloom.search.accelerators"
+    assumption = "assumption, see torchloom.cost.accelerators"
     return Hardware(
         name=acc.name, device_type="cuda", memory_bytes=acc.memory_bytes, ranks_per_node=per_node,
         num_nodes=gpus // per_node, matmul_flops=matmul, peak_flops=dict(acc.peak_flops),

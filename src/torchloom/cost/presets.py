@@ -2,7 +2,7 @@
 ``config.json`` numbers), a path to a ``config.json``, or a Python factory ``pkg.module:fn``.
 
 :func:`resolve_model` turns any of those into a :class:`ModelSpec`; :meth:`ModelSpec.analyze` gives the
-planner's :class:`~torchloom.search.model_info.ModelInfo` with the model built on the meta device only (a 70B
+planner's :class:`~torchloom.cost.model_info.ModelInfo` with the model built on the meta device only (a 70B
 model costs no memory).
 """
 from __future__ import annotations
@@ -140,7 +140,7 @@ class ModelSpec:
         return model
 
     def analyze(self, seq_len: int):
-        """:class:`~torchloom.search.model_info.ModelInfo` of the model at ``seq_len`` tokens per sample
+        """:class:`~torchloom.cost.model_info.ModelInfo` of the model at ``seq_len`` tokens per sample
         (built on meta; never allocated)."""
         from . import analysis
 
@@ -250,8 +250,8 @@ def _resolve_model(spec: str) -> ModelSpec:
 
 def hf_config_from_dict(d: dict[str, Any], where: str, notes: list[str] | None = None):
     """A transformers config of ``d["model_type"]`` from a config.json-style dict, its architecture fields
-    checked (:mod:`torchloom.search.config_checks`) before and after transformers builds it: every size that
-    defines the model's parameters and FLOPs is set (:func:`~torchloom.search.config_checks.check_required_fields`;
+    checked (:mod:`torchloom.cost.config_checks`) before and after transformers builds it: every size that
+    defines the model's parameters and FLOPs is set (:func:`~torchloom.cost.config_checks.check_required_fields`;
     transformers would fill a missing one with another model's number).
 
     Args:

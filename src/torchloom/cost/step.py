@@ -1,0 +1,89 @@
+"""The step shape the methods' ``estimate`` hooks read (:class:`StepShape`) and what the cost model predicts
+for one candidate (:class:`Prediction`)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..search.candidate import Candidate
+
+
+@dataclass
+class StepShape:
+    """What every method's ``estimate`` hook may read about the step besides the mesh degrees.
+
+    Attributes:
+        micro_batch / grad_accum / seq_len: as in :class:`Candidate`.
+        methods: canonical names of every method in the candidate (to see e.g. whether amp is on).
+        configs: each method's config as a dict.
+        compute_dtype: dtype name of the matmuls (``"bfloat16"`` under amp/half, else ``"float32"``).
+        param_dtype: dtype name the parameters are stored in (``"bfloat16"`` under half).
+    """
+
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    methods: list[str]
+    configs: dict[str, dict[str, Any]]
+    compute_dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    @classmethod
+    def of(cls, cand: "Candidate", param_dtype: str = "float32") -> "StepShape":
+        configs = {n: dict(c) for n, c in cand.methods}
+        compute = param_dtype
+        for n in ("amp", "half"):
+            if n in configs:
+                compute = _dtype_name(configs[n].get("dtype", "bfloat16"))
+        if "half" in configs:
+            param_dtype = compute
+        return cls(cand.micro_batch, cand.grad_accum, cand.seq_len, list(configs), configs, compute, param_dtype)
+
+
+#: spellings the amp/half ``dtype`` options accept -> canonical dtype names
+DTYPE_SPELLINGS = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
+
+
+def _dtype_name(s: str) -> str:
+    """Canonical dtype name of an amp/half ``dtype`` option."""
+    return DTYPE_SPELLINGS.get(s, s)
+
+
+@dataclass
+class Prediction:
+    """The cost model's answer for one candidate, per rank (the most loaded rank).
+
+    Attributes:
+        step_time_s: predicted seconds per optimizer step.
+        time: the breakdown of ``step_time_s`` in seconds (``forward``, ``backward``, ``recompute``,
+            ``optimizer``, ``comm_exposed:<label>``, ``bubble``, ...); the parts sum to ``step_time_s``.
+        memory: predicted peak bytes per rank by category (``params``, ``grads``, ``optimizer``,
+            ``activations``, ``temporary``, ``headroom``); they sum to ``peak_memory_bytes``.
+        peak_memory_bytes: the sum of ``memory``.
+        memory_limit_bytes: the device memory it is compared with.
+        tokens_per_s: tokens per second over the whole job; ``tokens_per_s_per_device`` divides by world size.
+        mfu: model FLOPs utilisation: model FLOPs per second per device (no recomputation) / ``peak_flops``.
+        peak_flops: the per-device peak the MFU divides by (dtype of the matmuls), FLOP/s.
+        collectives: each collective's per-step record (kind, bytes, group, calls, seconds, exposed seconds).
+        notes: assumptions the estimate made.
+    """
+
+    step_time_s: float
+    time: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)
+    peak_memory_bytes: float = 0.0
+    memory_limit_bytes: float = 0.0
+    tokens_per_s: float = 0.0
+    tokens_per_s_per_device: float = 0.0
+    mfu: float = 0.0
+    peak_flops: float = 0.0
+    collectives: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_bytes <= self.memory_limit_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
