@@ -84,7 +84,7 @@ def test_strategy_is_evaluated_not_searched():
     assert [n for n, _ in c["candidate"]["methods"]] == ["tensor_parallel", "fsdp", "amp", "checkpoint"]
     # the same numbers as the cost model gives that candidate directly
     cand = Candidate.from_dict(c["candidate"])
-    want = predict(cand, resolve_model("llama3-70b").analyze(8192),
+    want = predict(cand, resolve_model("llama3-70b").analyze(8192, attention="flash"),
                    cluster_hardware(cluster_spec(gpu="h100", gpus=1024, gpus_per_node=8)))
     assert math.isclose(c["prediction"]["step_time_s"], want.step_time_s, rel_tol=1e-9)
 

@@ -6,6 +6,8 @@ import os
 import time
 
 import pytest
+
+from torchloom.cost.op_trace import causal_tile_share
 import torch
 from torch import nn
 
@@ -71,7 +73,12 @@ def test_llama_params_flops_shapes():
     shapes = {(m.m, m.n, m.k): m.count for m in block.fwd.matmuls}
     assert shapes[(S, 128, 64)] == 2 and shapes[(S, 64, 128)] == 1  # gate+up, down; m = tokens
     assert shapes[(S, S, 16)] == 4 and shapes[(S, 16, S)] == 4  # per head: Q K^T, P V
-    assert info.flops_per_sample() == 3 * (3 * lin + 3.5 * attn) + 3 * rest.fwd.matmul_flops
+    # hardware: S=32 fits one flash tile (all of it computed), backward recomputes the scores (2.5 x);
+    # model FLOPs (the MFU convention): the causal half exactly, (S+1)/(2S), and 2 x forward in backward
+    assert info.hardware_flops_per_sample() == 3 * (3 * lin + 3.5 * attn) + 3 * rest.fwd.matmul_flops
+    causal = (S + 1) / (2 * S)
+    assert info.flops_per_sample() == pytest.approx(3 * (3 * lin + 3 * attn * causal) + 3 * rest.fwd.matmul_flops,
+                                                    rel=1e-12)
     assert info.dims == {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
                          "intermediate_size": 128, "vocab_size": 128, "num_layers": 3}
     assert info.family == "llama" and info.tied == [] and len(info.signature) == 16
@@ -216,7 +223,9 @@ def test_llama3_70b_config_on_meta():
     assert info.n_params == pytest.approx(70.55e9, rel=0.005) and info.param_dtype == "float32"
     assert info.num_blocks == 80 and next(info.module.parameters()).device.type == "meta"
     lin, attn = 2 * 8192 * (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672), 4 * 8192 * 8192 * 8192
-    assert info.blocks[0].fwd.matmul_flops == lin + attn
+    # causal: a flash kernel computes the tiles on and below the diagonal (65 of 128 for 64 x 64 tiles of 128)
+    assert info.blocks[0].fwd.matmul_flops == lin + attn * causal_tile_share(8192, 8192) == lin + attn * 65 / 128
+    assert info.blocks[0].fwd.model_flops == pytest.approx(lin + attn * 8193 / 16384, rel=1e-12)
     assert info.rest.act_bytes["float32"] >= 8192 * 128256 * 4  # the logits
     assert info.dims["num_kv_heads"] == 8 and info.family == "llama"
     again = analyze_model(info.module, seq_len=8192, name="llama")  # in-process cache: an equal, independent copy

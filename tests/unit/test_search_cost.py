@@ -103,10 +103,29 @@ def test_tensor_parallel_halves_the_matmuls_and_adds_four_all_reduces_per_block(
     assert one.time["forward"] == pytest.approx(2 * (L * BLOCK_FWD_FLOPS + HEAD_FLOPS) / RATE)  # mb=2
     assert two.time["forward"] == pytest.approx(one.time["forward"] / 2)
     assert two.time["backward"] == pytest.approx(one.time["backward"] / 2)
-    (ar,) = [r for r in two.collectives if r["label"] == "tp.all_reduce"]
-    assert ar["calls"] == 4 * L and ar["bytes"] == 2 * S * H * 4 and ar["group"] == 2  # Megatron: 2 fwd + 2 bwd
-    assert ar["exposed_s"] == ar["seconds"]  # on the critical path
-    assert ar["seconds"] == pytest.approx(4 * L * (1e-5 + 2 * S * H * 4 / 1e9))
+    fwd, bwd = ([r for r in two.collectives if r["label"] == label] for label in ("tp.all_reduce", "tp.all_reduce_bwd"))
+    for (ar,) in (fwd, bwd):  # Megatron: 2 in forward + 2 in backward per block
+        assert ar["calls"] == 2 * L and ar["bytes"] == 2 * S * H * 4 and ar["group"] == 2
+        assert ar["exposed_s"] == ar["seconds"]  # on the critical path
+        assert ar["seconds"] == pytest.approx(2 * L * (1e-5 + 2 * S * H * 4 / 1e9))
+
+
+def test_full_checkpointing_repeats_the_forward_tensor_parallel_collectives():
+    """The recomputed forward issues its all-reduces again (every_k=2: for half of the blocks); sequence
+    parallel's all-gathers and reduce-scatters likewise; the backward's are not repeated."""
+    info = toy_info()
+    for methods, kinds in (([("tensor_parallel", {})], ["all_reduce"]),
+                           ([("tensor_parallel", {}), ("sequence_parallel", {})], ["all_gather", "reduce_scatter"])):
+        for every_k, share in ((1, 1.0), (2, 0.5)):
+            p = predict(cand([*methods, ("checkpoint", {"every_k": every_k})], mb=2, tp=2), info, toy_hw(ranks=2))
+            recs = {r["label"]: r for r in p.collectives}
+            for kind in kinds:
+                again = recs[f"tp.{kind}.recompute"]
+                assert again["calls"] == pytest.approx(share * recs[f"tp.{kind}"]["calls"])
+                assert again["seconds"] == pytest.approx(share * recs[f"tp.{kind}"]["seconds"])
+                assert f"tp.{kind}_bwd.recompute" not in recs
+        plain = predict(cand(methods, mb=2, tp=2), info, toy_hw(ranks=2))
+        assert not any(r["label"].endswith(".recompute") for r in plain.collectives)
 
 
 def test_checkpointing_adds_one_forward_of_the_checkpointed_blocks():

@@ -52,6 +52,24 @@ INTRA_LATENCY_S = 10e-6
 INTER_LATENCY_S = 5e-6
 #: Eager PyTorch host cost per dispatched op (dispatcher + kernel launch), assumption.
 OP_OVERHEAD_S = 6e-6
+#: Achieved fraction of dense peak of the fused attention kernel, ``(forward, backward)`` by kernel and GPU
+#: generation, of the FLOPs the kernel computes (causal tiles and backward's recomputed scores included).
+#: ``flash2`` is what PyTorch's SDPA runs on NVIDIA GPUs (its flash backend is FlashAttention-2):
+#: "50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023, arXiv 2307.08691, abstract; the forward
+#: reaches the top of the range, the backward the bottom), "only 35% utilization on the H100" (Shah et al.
+#: 2024, FlashAttention-3, arXiv 2407.08608, abstract). ``flash3`` is the Hopper-specific kernel
+#: (FlashAttention-3; cuDNN's fused attention that Transformer Engine / Megatron use is of the same class):
+#: forward "up to 740 TFLOPs/s (75% utilization)" in BF16 (same abstract), backward 1.5-1.75x FlashAttention-2
+#: (same paper, sec. 4.1) = ~0.55. Blackwell and MI300X have no published figure here: the Hopper values
+#: are assumed (a stated assumption, flagged in ``sources``).
+ATTENTION_EFFICIENCY = {
+    "flash2": {"ampere": (0.70, 0.50), "hopper": (0.35, 0.35), "other": (0.35, 0.35)},
+    "flash3": {"ampere": (0.70, 0.50), "hopper": (0.75, 0.55), "other": (0.75, 0.55)},
+}
+#: the attention kernel ``loom plan`` assumes: what torchloom runs (PyTorch SDPA)
+DEFAULT_ATTENTION_KERNEL = "flash2"
+_GENERATION = {"a100-40gb": "ampere", "a100-80gb": "ampere", "h100-sxm": "hopper", "h100-pcie": "hopper",
+               "h200": "hopper"}
 FIT_SIZES = (4e3, 64e3, 1e6, 16e6, 256e6, 4e9)  # bytes at which the intra-node fits are tabulated
 
 _A100 = "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
@@ -237,7 +255,21 @@ def collective_fit(acc: Accelerator, kind: str, group_size: int) -> CollectiveFi
     return CollectiveFit([(s, INTRA_LATENCY_S + factor * s / bw) for s in FIT_SIZES])
 
 
-def cluster(gpu: str | Accelerator | dict | None, gpus: int | None, gpus_per_node: int | None = None) -> Hardware:
+def attention_rates(acc: Accelerator, kernel: str = DEFAULT_ATTENTION_KERNEL) -> dict[str, list[float]]:
+    """``{dtype: [forward, backward]}`` achieved FLOP/s of ``kernel`` (:data:`ATTENTION_EFFICIENCY`) on ``acc``
+    for the half-precision dtypes (flash kernels run in bf16/fp16 only).
+
+    Raises:
+        HardwareError: an unknown kernel."""
+    if kernel not in ATTENTION_EFFICIENCY:
+        raise HardwareError(f"unknown attention kernel {kernel!r}; one of {sorted(ATTENTION_EFFICIENCY)}.")
+    fwd, bwd = ATTENTION_EFFICIENCY[kernel][_GENERATION.get(acc.name, "other")]
+    return {dt: [acc.peak_flops[dt] * fwd, acc.peak_flops[dt] * bwd] for dt in ("bfloat16", "float16")
+            if dt in acc.peak_flops}
+
+
+def cluster(gpu: str | Accelerator | dict | None, gpus: int | None, gpus_per_node: int | None = None,
+            attention_kernel: str = DEFAULT_ATTENTION_KERNEL) -> Hardware:
     """A :class:`Hardware` for ``gpus`` GPUs of kind ``gpu`` (a table name, an :class:`Accelerator` or a dict
     for :meth:`Accelerator.from_dict`), ``gpus_per_node`` per node (default: the platform's usual 8, or
     ``gpus`` when fewer).
@@ -246,7 +278,7 @@ def cluster(gpu: str | Accelerator | dict | None, gpus: int | None, gpus_per_nod
     (:func:`gemm_curve`); ``mem_bw`` = HBM x :data:`MEM_EFFICIENCY`; intra-node collectives from the ring
     model (:func:`collective_fit`) for every group size dividing ``gpus_per_node``; across nodes the ring model
     with ``inter_bw x NET_EFFICIENCY`` and ``INTER_LATENCY_S`` per step. ``peak_flops`` is the datasheet
-    (what MFU divides by).
+    (what MFU divides by). Attention runs at ``attention_kernel``'s rate (:func:`attention_rates`).
 
     Raises:
         HardwareError: an unknown GPU (did-you-mean), a missing ``gpu``/``gpus``, counts < 1, or ``gpus`` not a
@@ -277,6 +309,7 @@ def cluster(gpu: str | Accelerator | dict | None, gpus: int | None, gpus_per_nod
         inter_bw=acc.inter_bw * NET_EFFICIENCY, inter_latency_s=INTER_LATENCY_S,
         fingerprint={"gpu": acc.description, "gpu_count": gpus, "gpus_per_node": per_node, "backend": "nccl",
                      "source": "accelerator table"},
+        attention_flops=attention_rates(acc, attention_kernel), attention_kernel=attention_kernel,
         sources={**acc.sources,
                  "matmul_flops": f"peak x {GEMM_EFFICIENCY[acc.vendor]} ({GEMM_EFFICIENCY_SOURCE[acc.vendor]}), "
                                  f"{GEMM_FIXED_S * 1e6:g} us fixed per GEMM ({assumption})",
@@ -284,5 +317,8 @@ def cluster(gpu: str | Accelerator | dict | None, gpus: int | None, gpus_per_nod
                  "intra": f"ring model on {acc.link} x {LINK_EFFICIENCY[acc.link]} + {INTRA_LATENCY_S * 1e6:g} us "
                           f"({assumption})",
                  "inter_bw": f"{acc.sources.get('inter_bw', '')} x {NET_EFFICIENCY} ({assumption})",
-                 "op_overhead_s": assumption},
+                 "op_overhead_s": assumption,
+                 "attention_flops": f"{attention_kernel}: peak x {ATTENTION_EFFICIENCY[attention_kernel][_GENERATION.get(acc.name, 'other')]} "
+                                    "(forward, backward; see torchloom.cost.accelerators.ATTENTION_EFFICIENCY"
+                                    + ("" if acc.name in _GENERATION else "; Hopper's values assumed") + ")"},
     )

@@ -28,7 +28,7 @@ from ..parallel.blocks import detect_block_classes, find_blocks
 from .experts_analysis import experts_info, moe_trace
 from .hf_config import build_meta_model, hf_config_of, load_config, model_dims, model_family
 from .model_info import ModelInfo, PartInfo
-from .op_trace import OpRecorder, storage_key
+from .op_trace import ATTENTION_TRACES, FlashAttentionMode, OpRecorder, storage_key
 
 _FORMATS = (None, "unpack_sequence", "unpack_dict")
 _CACHE: "OrderedDict[tuple, ModelInfo]" = OrderedDict()
@@ -37,7 +37,8 @@ _CACHE_SIZE = 8
 
 def analyze_model(model: nn.Module, *, seq_len: int, sample_input: Any = None, input_format: str | None = None,
                   loss_func: Callable[[Any, Any], torch.Tensor] | None = None,
-                  block_classes: list[str] | None = None, name: str | None = None) -> ModelInfo:
+                  block_classes: list[str] | None = None, name: str | None = None,
+                  attention: str = "native") -> ModelInfo:
     """Analyse ``model`` for the planner without allocating it or changing it.
 
     Args:
@@ -55,6 +56,8 @@ def analyze_model(model: nn.Module, *, seq_len: int, sample_input: Any = None, i
         block_classes: class names of the repeated blocks; default: auto-detected
             (:func:`torchloom.parallel.blocks.detect_block_classes`).
         name: label of the result (default the class name).
+        attention: how attention is traced (:data:`~torchloom.cost.op_trace.ATTENTION_TRACES`): ``"native"``
+            as this machine runs it, ``"flash"`` as a GPU's flash kernel (what ``loom plan --gpu`` prices).
 
     Returns:
         :class:`ModelInfo` with one :class:`PartInfo` per block class (per instance; ``count`` instances)
@@ -69,14 +72,16 @@ def analyze_model(model: nn.Module, *, seq_len: int, sample_input: Any = None, i
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}.")
     if input_format not in _FORMATS:
         raise ValueError(f"input_format={input_format!r} is not valid; use None, 'unpack_sequence' or 'unpack_dict'.")
+    if attention not in ATTENTION_TRACES:
+        raise ValueError(f"attention={attention!r} is not valid; use one of {ATTENTION_TRACES}.")
     sig = signature(model, seq_len, sample_input)
-    key = (sig, tuple(block_classes) if block_classes is not None else None, input_format, name)
+    key = (sig, tuple(block_classes) if block_classes is not None else None, input_format, name, attention)
     # cache meta models only (``loom plan`` re-analyses built-in configs; a CPU model would be kept alive)
     cacheable = loss_func is None and sample_input is None and all(p.is_meta for p in model.parameters())
     if cacheable and key in _CACHE and _CACHE[key].module is model:
         _CACHE.move_to_end(key)
         return _copy_info(_CACHE[key])
-    info = _Analysis(model, seq_len, sample_input, input_format, loss_func, block_classes).run()
+    info = _Analysis(model, seq_len, sample_input, input_format, loss_func, block_classes, attention).run()
     info.name = name or type(model).__name__
     info.signature = sig
     if cacheable:
@@ -88,7 +93,7 @@ def analyze_model(model: nn.Module, *, seq_len: int, sample_input: Any = None, i
 
 
 def analyze_config(hf_config: Any, *, seq_len: int | None = None, name: str | None = None,
-                   where: str | None = None) -> ModelInfo:
+                   where: str | None = None, attention: str = "native") -> ModelInfo:
     """Build a Hugging Face model from its config on the meta device (no memory) and analyse it.
 
     Args:
@@ -97,6 +102,7 @@ def analyze_config(hf_config: Any, *, seq_len: int | None = None, name: str | No
         seq_len: tokens per sample; default ``config.max_position_embeddings`` (a warning says so).
         name: label (default ``config.model_type``).
         where: what to call the config in error messages (default: its ``model_type``).
+        attention: as in :func:`analyze_model`.
 
     The model is built with fp32 parameters (the planner's master weights, whatever ``torch_dtype`` the
     config names) via ``AutoModelForCausalLM.from_config``, else the seq2seq or base auto class. The config's
@@ -132,7 +138,7 @@ def analyze_config(hf_config: Any, *, seq_len: int | None = None, name: str | No
         raise ModelSpecError(f"{where}: transformers cannot build the {cfg.model_type} model: "
                              f"{type(e).__name__}: {transformers_reason(e)}") from e
     _check_positions(model, cfg, int(seq_len), where)
-    info = analyze_model(model, seq_len=int(seq_len), name=name or cfg.model_type)
+    info = analyze_model(model, seq_len=int(seq_len), name=name or cfg.model_type, attention=attention)
     return info
 
 
@@ -212,14 +218,23 @@ class _Group:
 
 
 class _Analysis:
-    def __init__(self, model, seq_len, sample_input, input_format, loss_func, block_classes):
+    def __init__(self, model, seq_len, sample_input, input_format, loss_func, block_classes, attention="native"):
         self.model, self.seq_len = model, seq_len
+        self.attention = attention
         self.sample_input, self.input_format, self.loss_func = sample_input, input_format, loss_func
         self.block_classes = block_classes
         self.notes: list[str] = []
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def _kernels(self):
+        """The attention kernel the trace stands for (a no-op for ``"native"``)."""
+        if self.attention != "flash":
+            return nullcontext()
+        cfg = hf_config_of(self.model)
+        causal_lm = type(self.model).__name__.endswith("ForCausalLM") or bool(getattr(cfg, "is_decoder", False))
+        return FlashAttentionMode(causal_lm, self.notes)
 
     def _note(self, text: str) -> None:
         if text not in self.notes:
@@ -409,7 +424,7 @@ class _Analysis:
             for i, mod in enumerate(g.modules):
                 stubs[id(mod)] = (mod, self._capturing(g, mod) if i == 0 else self._passthrough(g))
         if groups:
-            with OpRecorder([]):  # discarded: it only supplies shapes the fake kernels lack (grouped GEMMs)
+            with OpRecorder([]), self._kernels():  # discarded: supplies shapes fake kernels lack (grouped GEMMs)
                 self._run_model(stubs)
         for g in groups:
             if g.call is None:
@@ -463,7 +478,7 @@ class _Analysis:
             grad_in = {storage_key(t): t.untyped_storage().nbytes() for t in inputs if t.requires_grad}
             other_in = {storage_key(t) for t in inputs if not t.requires_grad}
             rec = OpRecorder(state_list)
-            with rec, rec.saving(), _autocast(precision):
+            with rec, rec.saving(), _autocast(precision), self._kernels():
                 out = functional_call(mod, state, args, kwargs, tie_weights=True, strict=False)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             out_bytes = sum(t.untyped_storage().nbytes() for t in outs if storage_key(t) not in rec.saved)
@@ -496,7 +511,7 @@ class _Analysis:
         res = {}
         for precision in ("float32", "bfloat16"):
             rec = OpRecorder(state_list)
-            with rec, rec.saving(), _autocast(precision):
+            with rec, rec.saving(), _autocast(precision), self._kernels():
                 batch, out = self._run_model(stubs)
                 loss = self._loss(batch, out)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

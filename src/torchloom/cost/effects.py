@@ -13,7 +13,9 @@ the same rules, so a user-registered method that implements ``estimate`` compose
   ``ops_add`` adds ops per block instance per forward (backward gets twice as many); ``recompute_fraction``
   (summed, capped at 1) is the fraction of the rank's block forward run again in backward (checkpointing);
   ``time_add`` adds seconds per optimizer step under its own label (offload copies, a user method's extra
-  work). ``grads_persistent`` says the gradients stay allocated across steps (DDP buckets).
+  work). ``grads_persistent`` says the gradients stay allocated across steps (DDP buckets). ``fused`` says the
+  blocks run compiled: their memory-bound traffic and kernel count are the fused chains'
+  (:attr:`~torchloom.cost.model_info.PassCost.fused_bytes`), not the eager per-op ones.
 * communication: each :class:`Collective` is priced with ``Hardware.collective_time`` over the group of
   its mesh view; what may overlap with compute is hidden up to the compute of the phase it overlaps.
 * pipeline: at most one method returns a :class:`PipelineShape` (which blocks each pipeline rank runs,
@@ -64,6 +66,9 @@ class Collective:
         exposed_calls: how many of ``calls`` can never overlap (FSDP's first all-gather of a pass, the last
             reduce-scatter, DDP's last bucket).
         label: the name in the breakdown (``"fsdp.all_gather"``); default ``"<method>.<kind>"``.
+        recomputed: issued inside the blocks' forward, so activation checkpointing's recomputation issues it
+            again (the cost model adds ``calls x`` the recomputed fraction, in backward): tensor parallel's
+            forward all-reduces, sequence parallel's all-gathers and reduce-scatters.
     """
 
     kind: str
@@ -73,6 +78,7 @@ class Collective:
     overlap: str = "none"
     exposed_calls: float = 0.0
     label: str = ""
+    recomputed: bool = False
 
     def __post_init__(self):
         if self.overlap not in OVERLAPS:
@@ -136,6 +142,8 @@ class Effects:
             checkpointing keeps some matmul outputs); the memory-bound and per-op parts are recomputed whole.
         time_add: seconds per optimizer step by label (added to the step time as they are).
         grads_persistent: the gradients stay allocated across steps (counted in the backward peak).
+        fused: the repeated blocks run with their non-matmul op chains fused (``torch.compile`` with a fusing
+            backend): priced by ``PassCost.fused_bytes`` and ``fused_kernels``.
         grads_unsharded_accum: bytes per rank of the gradients while micro-batches accumulate without a
             reduction (FSDP2 keeps them unsharded): with ``grad_accum > 1`` the grads category is at least this.
         group_memory_scale: ``{group: {category: multiplier}}`` for a parameter group's share of
@@ -156,6 +164,7 @@ class Effects:
     recompute_matmul_share: float = 1.0
     time_add: dict[str, float] = field(default_factory=dict)
     grads_persistent: bool = False
+    fused: bool = False
     grads_unsharded_accum: float = 0.0
     group_memory_scale: dict[str, dict[str, float]] = field(default_factory=dict)
     collectives: list[Collective] = field(default_factory=list)

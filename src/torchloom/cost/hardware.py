@@ -70,6 +70,10 @@ class Hardware:
             calibration's layout); empty for a table entry.
         provisional: measured under load (``load["under_load"]``): the rates may read low, so it is re-measured
             at its first use on a quiet machine and it never replaces a quiet calibration in the cache.
+        attention_flops: achieved FLOP/s per rank of the fused attention kernel by dtype, ``[forward,
+            backward]`` (of the FLOPs it computes: causal tiles, backward's recomputed scores included); empty
+            where attention is priced as its GEMMs at :meth:`matmul_rate` (a calibrated CPU).
+        attention_kernel: the kernel those rates are for (``"flash2"``, ``"flash3"``), or ``""``.
     """
 
     name: str
@@ -89,6 +93,8 @@ class Hardware:
     threads_per_rank: int = 0
     load: dict[str, Any] = field(default_factory=dict)
     provisional: bool = False
+    attention_flops: dict[str, list[float]] = field(default_factory=dict)
+    attention_kernel: str = ""
 
     # -- queries used by the cost model -------------------------------------------------------------
     @property
@@ -109,6 +115,19 @@ class Hardware:
         i = bisect.bisect_left(xs, math.log(gemm_flops))
         (x0, r0), (x1, r1) = (xs[i - 1], pts[i - 1][1]), (xs[i], pts[i][1])
         return r0 + (r1 - r0) * (math.log(gemm_flops) - x0) / (x1 - x0)
+
+    def attention_rate(self, dtype: str, backward: bool) -> float | None:
+        """Achieved FLOP/s of the attention kernel's forward or backward in ``dtype``, or None when attention is
+        priced as GEMMs (no entry)."""
+        r = self.attention_flops.get(dtype)
+        return r[1 if backward else 0] if r else None
+
+    @property
+    def async_launch(self) -> bool:
+        """Kernels launch asynchronously (CUDA streams): the host's per-op dispatch overlaps the device's work,
+        so a pass costs the longer of the two, not their sum (CUDA C Programming Guide, "Asynchronous
+        Concurrent Execution"). On CPU the dispatching thread runs the kernels itself: the sum."""
+        return self.device_type == "cuda"
 
     def collective_time(self, kind: str, nbytes: float, group_size: int, *, spans_nodes: bool = False) -> float:
         """Seconds for one ``kind`` collective of ``nbytes`` per rank over ``group_size`` ranks.

@@ -16,6 +16,7 @@ allocated model; ~0.1 ms per candidate, so ``loom plan`` can rank thousands).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -73,6 +74,9 @@ def predict(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence[
     step, dims, notes, mem, state, mb = c.step, cand.dims, c.notes, c.memory, c.baseline, c.mb
     mm, other, ops_scale, ops_add, recompute = c.matmul_scale, c.other_scale, c.ops_scale, c.ops_add, c.recompute
     time_add, collectives, pipeline = c.time_add, c.collectives, c.pipeline
+    if c.fused and hw.device_type == "cpu":
+        notes.append("compile: fused blocks priced with the calibrated stream bandwidth (Inductor's CPU kernels "
+                     "may vectorise differently)")
     grads_persistent, unsharded_grads, scale_tokens = c.grads_persistent, c.unsharded_grads, c.scale_tokens
 
     # -- compute on the slowest rank ----------------------------------------------------------------
@@ -84,8 +88,9 @@ def predict(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence[
     for i, part in enumerate(info.parts):
         is_rest = part.name == "rest"
         extra = 0.0 if is_rest else ops_add
-        f, f_mm = _pass_time(cache, (i, "f"), part.fwd, mb, dtype, hw, mm, other, ops_scale, extra)
-        b, _ = _pass_time(cache, (i, "b"), part.bwd, mb, dtype, hw, mm, other, ops_scale, 2 * extra)
+        fused = c.fused and not is_rest  # compile fuses the blocks; the rest runs eager
+        f, f_mm = _pass_time(cache, (i, "f"), part.fwd, mb, dtype, hw, mm, other, ops_scale, extra, fused, False)
+        b, _ = _pass_time(cache, (i, "b"), part.bwd, mb, dtype, hw, mm, other, ops_scale, 2 * extra, fused, True)
         parts.append((is_rest, part.count, f, b, 0.0 if is_rest else f - f_mm * (1.0 - c.recompute_matmul_share)))
     nb = max(info.num_blocks, 1)
     per_rank = []
@@ -155,12 +160,20 @@ def predict(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence[
     tps = tokens / step_time if step_time > 0 else 0.0
     peak_flops = hw.peak_flops.get(dtype) or hw.peak_flops.get("float32", 0.0)
     model_flops = info.flops_per_sample() * scale_tokens * cand.global_batch
-    mfu = model_flops / step_time / world / peak_flops if step_time > 0 and peak_flops else 0.0
+    # hardware FLOPs: what the kernels compute (flash's recomputed scores, causal diagonal tiles) plus the
+    # plan's recomputation (activation checkpointing re-runs that share of every block's forward)
+    block_fwd = sum(p.fwd.matmul_flops * p.count for p in info.blocks) * c.recompute_matmul_share * recompute
+    hw_flops = (info.hardware_flops_per_sample() + block_fwd) * scale_tokens * cand.global_batch
+    per_device = step_time * world * peak_flops
+    mfu = model_flops / per_device if per_device > 0 else 0.0
+    hfu = hw_flops / per_device if per_device > 0 else 0.0
     return Prediction(
         step_time_s=step_time, time=time, memory=memory, peak_memory_bytes=peak,
         memory_limit_bytes=hw.memory_bytes if memory_limit is None else memory_limit,
         tokens_per_s=tps, tokens_per_s_per_device=tps / world, mfu=mfu, peak_flops=peak_flops,
-        collectives=records, notes=notes,
+        collectives=records, notes=notes, hfu=hfu,
+        model_flops_per_token=model_flops / tokens if tokens else 0.0,
+        hardware_flops_per_token=hw_flops / tokens if tokens else 0.0,
     )
 
 
@@ -202,7 +215,7 @@ def compose(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence[
     time_add: dict[str, float] = {}
     collectives: list[tuple[str, Collective]] = []
     pipeline: PipelineShape | None = None
-    grads_persistent, unsharded_grads = False, 0.0
+    grads_persistent, unsharded_grads, fused = False, 0.0, False
     for e, dp_method in zip(effects, data_parallel):
         # only the categories the Effects names (x 1.0 + 0.0 leaves the others as they are)
         own = e.group_memory_scale.get("expert", {})
@@ -228,14 +241,22 @@ def compose(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence[
             time_add[f"{e.method}.{k}"] = time_add.get(f"{e.method}.{k}", 0.0) + v
         collectives += [(e.method, c) for c in e.collectives]
         grads_persistent |= e.grads_persistent
+        fused |= e.fused
         unsharded_grads = max(unsharded_grads, e.grads_unsharded_accum)
         if e.pipeline is not None:
             pipeline = e.pipeline
 
+    if recompute > 0:  # checkpointing re-runs the forward: its collectives again, during backward
+        again = [(m, dataclasses.replace(c, calls=c.calls * recompute, exposed_calls=c.exposed_calls * recompute,
+                                         overlap=c.overlap if c.overlap == "none" else "backward",
+                                         label=(c.label or f"{m}.{c.kind}") + ".recompute", recomputed=False))
+                 for m, c in collectives if c.recomputed]
+        collectives += again
     return Composed(step=step, notes=notes, effects=effects, memory=mem, baseline=state, mb=mb,
                     scale_tokens=scale_tokens, matmul_scale=mm, other_scale=other, ops_scale=ops_scale,
                     ops_add=ops_add, recompute=recompute, recompute_matmul_share=matmul_share, time_add=time_add, collectives=collectives,
-                    pipeline=pipeline, grads_persistent=grads_persistent, unsharded_grads=unsharded_grads)
+                    pipeline=pipeline, grads_persistent=grads_persistent, unsharded_grads=unsharded_grads,
+                    fused=fused)
 
 # -- baseline ----------------------------------------------------------------------------------------
 class _Baseline:
@@ -347,26 +368,37 @@ def _pass_cache(info: ModelInfo, hw: Hardware) -> dict:
 
 
 def _pass_time(cache: dict, key, pc: PassCost, mb: float, dtype: str, hw: Hardware, mm: float, other: float,
-               ops_scale: float, ops_add: float) -> tuple[float, float]:
-    """Seconds of one pass of one part instance at micro-batch ``mb`` (per rank): ``(total, matmul part)``."""
-    k = (key, mb, dtype, mm, other, ops_scale, ops_add)
+               ops_scale: float, ops_add: float, fused: bool = False, backward: bool = False) -> tuple[float, float]:
+    """Seconds of one pass of one part instance at micro-batch ``mb`` (per rank): ``(total, matmul part)``.
+
+    GEMMs at the achieved rate of their size; attention products at the hardware's attention-kernel rate
+    where it has one (else as GEMMs); the memory-bound bytes (eager per op, or the fused chains' when
+    ``fused``) at the activation bandwidth; per-op dispatch. Where kernels launch asynchronously (CUDA) the
+    host's dispatch overlaps the device's work: the pass costs the longer of the two."""
+    k = (key, mb, dtype, mm, other, ops_scale, ops_add, fused)
     t = cache.get(k)
     if t is not None:
         return t
     t, listed = 0.0, 0.0
+    attn_rate = hw.attention_rate(dtype, backward)
     for g in pc.matmuls:
         one = 2.0 * g.m * mb * g.n * g.k * mm
         if one > 0:
-            t += g.count * one / hw.matmul_rate(dtype, one)
+            if g.attention and attn_rate:
+                t += g.count * one * g.share / attn_rate
+            else:
+                t += g.count * one * g.share / hw.matmul_rate(dtype, one)
         listed += g.flops
-    rest = (pc.matmul_flops - listed) * mb * mm  # FLOPs without shapes (e.g. SDPA): the largest listed rate
+    rest = (pc.matmul_flops - listed) * mb * mm  # FLOPs without shapes: the largest listed rate
     if rest > 0:
         size = max((2.0 * g.m * mb * g.n * g.k * mm for g in pc.matmuls), default=rest)
         t += rest / hw.matmul_rate(dtype, size)
     t_mm = t
     if hw.mem_bw > 0:
-        t += pc.other_bytes * mb * other / activation_bandwidth(hw)
-    t += (pc.ops * ops_scale + ops_add) * hw.op_overhead_s * colocated_share(hw)
+        t += (pc.fused_bytes if fused else pc.other_bytes) * mb * other / activation_bandwidth(hw)
+    ops = pc.fused_kernels if fused else pc.ops
+    host = (ops * ops_scale + ops_add) * hw.op_overhead_s * colocated_share(hw)
+    t = max(t, host) if hw.async_launch else t + host
     cache[k] = (t, t_mm)
     return t, t_mm
 

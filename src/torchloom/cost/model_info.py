@@ -16,16 +16,25 @@ from torch import nn
 @dataclass
 class Matmul:
     """One GEMM kind of a pass: ``C[m, n] = A[m, k] @ B[k, n]``, ``count`` times; ``m`` is the token
-    dimension at micro-batch 1 (multiply by the micro-batch). FLOPs = ``2 * m * n * k * count``."""
+    dimension at micro-batch 1 (multiply by the micro-batch). FLOPs = ``2 * m * n * k * count * share``.
+
+    Attributes:
+        attention: one of the products inside a fused attention kernel (SDPA: scores ``Q K^T``, ``P V`` and
+            their gradients), priced at the accelerator's attention-kernel rate where it has one.
+        share: the fraction of the product the kernel computes: a causal flash kernel skips the tiles above the
+            diagonal (:func:`torchloom.cost.op_trace.causal_tile_share`); 1 for a dense product.
+    """
 
     m: int
     n: int
     k: int
     count: int = 1
+    attention: bool = False
+    share: float = 1.0
 
     @property
     def flops(self) -> float:
-        return 2.0 * self.m * self.n * self.k * self.count
+        return 2.0 * self.m * self.n * self.k * self.count * self.share
 
 
 @dataclass
@@ -33,18 +42,39 @@ class PassCost:
     """Compute of one forward or one backward pass of one module instance at micro-batch 1.
 
     Attributes:
-        matmul_flops: FLOPs of matrix products (``torch.utils.flop_counter`` under fake tensors), incl. SDPA.
+        matmul_flops: FLOPs the hardware runs in matrix products (``torch.utils.flop_counter``'s formulas under
+            fake tensors), incl. attention kernels: causal attention counts the tiles a flash kernel computes,
+            and flash attention's backward its recomputation of the scores.
+        model_flops: the FLOPs the model needs (the MFU convention, PaLM appendix B / Megatron): matmul
+            FLOPs with causal attention counted for the unmasked half exactly and without flash attention's
+            recomputed scores in backward. ``matmul_flops >= model_flops``.
         matmuls: the GEMMs behind ``matmul_flops`` by shape (for shape-dependent achieved FLOP/s).
-        other_bytes: bytes read + written by every other op (elementwise, norms, softmax, copies): the
-            memory-bandwidth-bound part.
+        other_bytes: bytes read + written by every other op that runs a kernel, op by op (eager execution:
+            elementwise, norms, softmax, copies): the memory-bandwidth-bound part.
         ops: number of dispatched ATen ops that run a kernel (views, ``detach`` and ``prim`` ops not counted):
             per-op launch/dispatch overhead, significant on CPU.
+        fused_bytes: the same memory-bound work with every chain of non-matmul ops between two matrix
+            products fused into one kernel (``torch.compile``/Inductor, or hand-fused kernels such as
+            Transformer Engine's): only the tensors entering a chain from outside it and the ones leaving it
+            (read by a matmul, a later chain, saved for backward, or alive at the end) touch memory.
+        fused_kernels: kernels launched under that fusion: the matrix products plus one per fused chain.
     """
 
     matmul_flops: float = 0.0
     matmuls: list[Matmul] = field(default_factory=list)
     other_bytes: float = 0.0
     ops: int = 0
+    model_flops: float | None = None
+    fused_bytes: float | None = None
+    fused_kernels: int | None = None
+
+    def __post_init__(self):
+        if self.model_flops is None:  # built by hand (tests, users): no attention detail known
+            self.model_flops = self.matmul_flops
+        if self.fused_bytes is None:
+            self.fused_bytes = self.other_bytes
+        if self.fused_kernels is None:
+            self.fused_kernels = self.ops
 
 
 @dataclass
@@ -168,7 +198,16 @@ class ModelInfo:
         return next((p for p in self.parts if p.name == "rest"), None)
 
     def flops_per_sample(self) -> float:
-        """Forward + backward matmul FLOPs of one sample (no recomputation)."""
+        """Model FLOPs of one sample's forward + backward (:attr:`PassCost.model_flops`: no recomputation,
+        causal attention counted for its unmasked half): what MFU divides. For a dense decoder this is the
+        PaLM/Megatron count ``6 N + 6 L d s`` per token (``N`` matmul parameters, ``L`` layers, ``d`` the
+        attention width, ``s`` the sequence), the attention half of PaLM's ``12 L d s`` for causal masking."""
+        return sum((p.fwd.model_flops + p.bwd.model_flops) * p.count for p in self.parts)
+
+    def hardware_flops_per_sample(self) -> float:
+        """FLOPs the hardware runs for one sample's forward + backward: flash attention's recomputed scores
+        and the computed tiles on the causal diagonal included (activation checkpointing's recomputation is
+        not: it depends on the plan, :class:`~torchloom.cost.step.Prediction` adds it)."""
         return sum((p.fwd.matmul_flops + p.bwd.matmul_flops) * p.count for p in self.parts)
 
     def to_dict(self) -> dict[str, Any]:

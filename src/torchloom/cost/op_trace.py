@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
@@ -35,6 +36,47 @@ _SDPA_BWD = {aten._scaled_dot_product_flash_attention_for_cpu_backward,
 _EXTRA_FLOPS = {aten._scaled_dot_product_flash_attention_for_cpu,
                 aten._scaled_dot_product_flash_attention_for_cpu_backward, aten._grouped_mm}
 
+#: ops that launch no kernel and move no bytes: metadata queries, views not flagged ``is_view`` (``_unsafe_view``
+#: of a fresh tensor, ``alias``), allocations that write nothing (``empty``: the bytes are written by the op
+#: that fills them, counted there)
+_NO_KERNEL = {aten.detach, aten._unsafe_view, aten.alias, aten.lift_fresh, aten.empty, aten.empty_like,
+              aten.empty_strided, aten.new_empty, aten.new_empty_strided}
+
+#: the query/key tile a flash kernel steps over (FlashAttention-2, Dao 2023, sec. 3.1: with a causal mask the
+#: blocks whose every entry is masked are skipped, about half of them; 128 is the tile of its forward kernel
+#: for head dimension 128, and PyTorch's CPU flash kernel's q split for long sequences)
+FLASH_TILE = 128
+
+
+def causal_share(lq: int, lk: int) -> float:
+    """Fraction of the ``lq x lk`` score entries a causal mask keeps (PyTorch's ``is_causal``: top-left
+    aligned, query ``i`` sees keys ``0..i``): the model FLOPs of causal attention, exactly."""
+    if lq <= 0 or lk <= 0:
+        return 1.0
+    full = min(lq, lk)  # rows i < lk see i + 1 keys; rows past lk see all lk
+    kept = full * (full + 1) // 2 + max(0, lq - lk) * lk
+    return kept / (lq * lk)
+
+
+def causal_tile_share(lq: int, lk: int, tile: int = FLASH_TILE) -> float:
+    """Fraction of the score tiles a causal flash kernel computes (the diagonal tiles whole): what it costs."""
+    nq, nk = -(-lq // tile), -(-lk // tile)
+    if nq <= 0 or nk <= 0:
+        return 1.0
+    full = min(nq, nk)
+    kept = full * (full + 1) // 2 + max(0, nq - nk) * nk
+    return kept / (nq * nk)
+
+
+def _sdpa_causal(packet, args, kwargs) -> bool:
+    """The ``is_causal`` argument of an SDPA forward/backward op (positional or keyword)."""
+    i = 4 if packet in _SDPA_FWD else 7
+    if packet in (aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention):
+        i = 6 if packet is aten._scaled_dot_product_efficient_attention else 7
+    if "is_causal" in kwargs:
+        return bool(kwargs["is_causal"])
+    return bool(args[i]) if len(args) > i and isinstance(args[i], bool) else False
+
 
 def storage_key(t: torch.Tensor) -> int:
     """Identity of the storage behind ``t`` (views share it)."""
@@ -45,8 +87,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _gemms(packet, args, out) -> list[Matmul]:
+def _gemms(packet, args, out, kwargs=None) -> list[Matmul]:
     """GEMM shapes ``C[m,n] = A[m,k] @ B[k,n]`` of one matrix-product op (m = rows = tokens for linears)."""
+    kwargs = kwargs or {}
     if packet is aten.mm:
         (m, k), n = args[0].shape, args[1].shape[1]
         return [Matmul(m, n, k)]
@@ -59,13 +102,16 @@ def _gemms(packet, args, out) -> list[Matmul]:
     if packet in _SDPA_FWD:
         q, k, v = args[:3]
         bh, lq, lk, e, ev = q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]
-        return [Matmul(lq, lk, e, bh), Matmul(lq, ev, lk, bh)]  # scores = Q K^T, out = P V
+        sh = causal_tile_share(lq, lk) if _sdpa_causal(packet, args, kwargs) else 1.0
+        # scores = Q K^T, out = P V
+        return [Matmul(lq, lk, e, bh, True, sh), Matmul(lq, ev, lk, bh, True, sh)]
     if packet in _SDPA_BWD:
         q, k, v = args[1:4]
         bh, lq, lk, e, ev = q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+        sh = causal_tile_share(lq, lk) if _sdpa_causal(packet, args, kwargs) else 1.0
         # recomputed scores, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q (as flop_counter counts them)
-        return [Matmul(lq, lk, e, bh), Matmul(lq, lk, ev, bh), Matmul(lk, ev, lq, bh), Matmul(lq, e, lk, bh),
-                Matmul(e, lk, lq, bh)]
+        return [Matmul(lq, lk, e, bh, True, sh), Matmul(lq, lk, ev, bh, True, sh), Matmul(lk, ev, lq, bh, True, sh),
+                Matmul(lq, e, lk, bh, True, sh), Matmul(e, lk, lq, bh, True, sh)]
     if packet is aten._grouped_mm:
         return _grouped_gemms(*args)
     if packet is aten.convolution:
@@ -120,6 +166,18 @@ def _grouped_gemms(a, b, offs=None, *_, **__) -> list[Matmul]:
     return [Matmul(a.shape[1], b.shape[2], a.shape[2], a.shape[0])]
 
 
+def _model_flops(packet, args, kwargs, flops: float) -> float:
+    """The model FLOPs of one matrix-product op of ``flops`` (full-square) FLOPs: an attention kernel's causal
+    half exactly, and in backward without the recomputed scores (4 of flop_counter's 5 products)."""
+    if packet in _SDPA_FWD or packet in _SDPA_BWD:
+        q, k = (args[0], args[1]) if packet in _SDPA_FWD else (args[1], args[2])
+        if _sdpa_causal(packet, args, kwargs):
+            flops *= causal_share(q.shape[2], k.shape[2])
+        if packet in _SDPA_BWD:
+            flops *= 4.0 / 5.0
+    return flops
+
+
 def _flops(packet, args, kwargs, out) -> float:
     if packet is aten._grouped_mm:
         return sum(g.flops for g in _grouped_gemms(*args, **kwargs))
@@ -133,14 +191,63 @@ def _flops(packet, args, kwargs, out) -> float:
 @dataclass
 class _Pass:
     flops: float = 0.0
-    gemms: dict[tuple[int, int, int], int] = field(default_factory=lambda: defaultdict(int))
+    model_flops: float = 0.0
+    gemms: dict[tuple[int, int, int, bool, float], int] = field(default_factory=lambda: defaultdict(int))
     other_bytes: float = 0.0
     ops: int = 0
     unshaped_flops: float = 0.0
+    fusion: "_Fusion" = field(default_factory=lambda: _Fusion())
 
-    def cost(self) -> PassCost:
-        mm = [Matmul(m, n, k, c) for (m, n, k), c in sorted(self.gemms.items(), key=lambda kv: -kv[0][0] * kv[0][1] * kv[0][2] * kv[1])]
-        return PassCost(matmul_flops=self.flops, matmuls=mm, other_bytes=self.other_bytes, ops=self.ops)
+    def cost(self, escaping: set | None = None) -> PassCost:
+        mm = [Matmul(m, n, k, c, a, sh) for (m, n, k, a, sh), c in
+              sorted(self.gemms.items(), key=lambda kv: -kv[0][0] * kv[0][1] * kv[0][2] * kv[1] * kv[0][4])]
+        fused, chains = self.fusion.result(escaping or set())
+        kernels = chains + self.fusion.chain  # one kernel per fused chain, one per matrix product
+        return PassCost(matmul_flops=self.flops, matmuls=mm, other_bytes=self.other_bytes, ops=self.ops,
+                        model_flops=self.model_flops, fused_bytes=fused, fused_kernels=kernels)
+
+
+class _Fusion:
+    """Memory traffic of one pass with every chain of non-matmul ops between two matrix products fused into
+    one kernel (what ``torch.compile``'s Inductor does for elementwise and reduction chains, and what hand-fused
+    kernels do for norms, RoPE and SwiGLU): a chain reads each tensor made outside it once and writes each
+    tensor it makes that is used outside it (by a matmul, a later chain, saved for backward, or still alive at
+    the end of the pass). Tensors are identified by allocation, so a reused address is a new tensor."""
+
+    def __init__(self):
+        self.chain = 0  # current chain; a matrix product ends it
+        self.chain_ops: dict[int, int] = defaultdict(int)
+        self.reads: dict[int, dict] = defaultdict(dict)  # chain -> {tensor id: bytes} read from outside
+        self.made: dict = {}  # tensor id -> (chain, bytes) for tensors a chain made
+        self.escaping: set = set()  # tensors a chain made that something outside it reads
+
+    def boundary(self, ins: list) -> None:
+        for tid, _ in ins:
+            if tid in self.made:
+                self.escaping.add(tid)
+        self.chain += 1
+
+    def fusable(self, ins: list, outs: list) -> None:
+        c = self.chain
+        self.chain_ops[c] += 1
+        for tid, nbytes in ins:
+            made = self.made.get(tid)
+            if made is None:
+                self.reads[c].setdefault(tid, nbytes)
+            elif made[0] != c:
+                self.escaping.add(tid)
+                self.reads[c].setdefault(tid, nbytes)
+        for tid, nbytes in outs:
+            if tid not in self.made:
+                self.made[tid] = (c, nbytes)
+
+    def result(self, escaping: set) -> tuple[float, int]:
+        """``(bytes, kernels)``: ``escaping`` adds the tensors known to leave the pass (saved for backward,
+        alive at its end)."""
+        out = self.escaping | (escaping & self.made.keys())
+        written = sum(self.made[t][1] for t in out)
+        read = sum(sum(r.values()) for r in self.reads.values())
+        return float(read + written), len(self.chain_ops)
 
 
 class OpRecorder(TorchDispatchMode):
@@ -153,14 +260,32 @@ class OpRecorder(TorchDispatchMode):
 
     def __init__(self, state: list[torch.Tensor]):
         super().__init__()
-        self.phase = "fwd"
+        self._phase = "fwd"
         self.passes = {"fwd": _Pass(), "bwd": _Pass()}
+        self.leaving: dict[str, set] = {}  # phase -> tensors alive when it ended (its outputs, for fusion)
+        self.saved_ids: set = set()  # tensors saved for backward (leave the forward's fused chains)
         self.state = {storage_key(t) for t in state}
         self.derived: dict[int, int] = {}  # storage -> bytes: low-precision copies made from state alone
         self.saved: dict[int, int] = {}  # storage -> bytes: activations saved for backward
         self.derived_saved: dict[int, int] = {}  # state-derived copies saved for backward (autocast weights)
         self.events: list[tuple[int, int]] = []  # (storage, +bytes on allocation / -bytes when freed)
         self._alive: dict[int, int] = {}  # storage -> allocation serial
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        if value != self._phase:
+            self.leaving[self._phase] = set(self._alive.values())
+        self._phase = value
+
+    def _tid(self, t: torch.Tensor):
+        """Identity of the tensor's allocation (its serial; state and inputs by storage)."""
+        key = storage_key(t)
+        serial = self._alive.get(key)
+        return serial if serial is not None else ("storage", key)
 
     # -- dispatch ----------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -174,24 +299,34 @@ class OpRecorder(TorchDispatchMode):
         acc = self.passes[self.phase]
         packet = func._overloadpacket
         is_view = getattr(func, "is_view", False)
-        if func.namespace != "prim" and not is_view and packet is not aten.detach:
-            acc.ops += 1  # kernels only: views, detach and prim.device cost no launch
+        # kernels only: views, detach, prim.device and allocations cost no launch and move no bytes
+        kernel = func.namespace != "prim" and not is_view and packet not in _NO_KERNEL
+        if kernel:
+            acc.ops += 1
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if packet in flop_registry or packet in _EXTRA_FLOPS:
-            f = _flops(packet, args, kwargs, out)
+        in_ids = [(self._tid(t), _nbytes(t)) for t in ins] if kernel else []
+        matrix = packet in flop_registry or packet in _EXTRA_FLOPS
+        if matrix:
+            full = _flops(packet, args, kwargs, out)
+            shapes = _gemms(packet, args, out if isinstance(out, torch.Tensor) else None, kwargs)
+            shaped_full = sum(2.0 * g.m * g.n * g.k * g.count for g in shapes)
+            f = full - shaped_full + sum(g.flops for g in shapes)  # the causal share of attention products
             acc.flops += f
-            shapes = _gemms(packet, args, out if isinstance(out, torch.Tensor) else None)
+            acc.model_flops += _model_flops(packet, args, kwargs, full)
             for g in shapes:
-                acc.gemms[(g.m, g.n, g.k)] += g.count
+                acc.gemms[(g.m, g.n, g.k, g.attention, g.share)] += g.count
             acc.unshaped_flops += f - sum(g.flops for g in shapes)
-        elif not is_view:
+            acc.fusion.boundary(in_ids)
+        elif kernel:
             acc.other_bytes += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
         from_state = bool(ins) and not is_view and all(
             storage_key(t) in self.state or storage_key(t) in self.derived for t in ins)
         in_keys = {storage_key(t) for t in ins}
         for t in outs:
             self._track(t, from_state, in_keys)
+        if kernel and not matrix:
+            acc.fusion.fusable(in_ids, [(self._tid(t), t.untyped_storage().nbytes()) for t in outs])
         return out
 
     def _track(self, t: torch.Tensor, from_state: bool, in_keys: set[int]) -> None:
@@ -226,6 +361,7 @@ class OpRecorder(TorchDispatchMode):
 
         def pack(t):
             key = storage_key(t)
+            self.saved_ids.add(self._tid(t))
             if key in self.derived:
                 self.derived_saved[key] = self.derived[key]
             elif key not in self.state and key not in self.derived and key not in self.saved:
@@ -246,7 +382,57 @@ class OpRecorder(TorchDispatchMode):
         return float(peak)
 
     def cost(self, phase: str) -> PassCost:
-        return self.passes[phase].cost()
+        """What ``phase`` (``"fwd"``/``"bwd"``) costs; call after the trace (fusion needs the tensors that
+        left each pass)."""
+        leaving = self.leaving.get(phase)
+        if leaving is None:  # the last phase traced: what is alive now
+            leaving = set(self._alive.values())
+        escaping = leaving | self.saved_ids if phase == "fwd" else leaving
+        return self.passes[phase].cost(escaping)
 
     def unshaped_flops(self) -> float:
         return sum(p.unshaped_flops for p in self.passes.values())
+
+
+#: how the analysis traces ``F.scaled_dot_product_attention``: ``"native"`` as the tracing machine (CPU)
+#: dispatches it (its math fallback materialises the scores under dropout or some masks), ``"flash"`` as a
+#: flash kernel (what a GPU runs: FlashAttention / cuDNN support dropout and causal masks without
+#: materialising the scores; Dao et al. 2022, 2023)
+ATTENTION_TRACES = ("native", "flash")
+
+
+class FlashAttentionMode(TorchFunctionMode):
+    """Trace every ``F.scaled_dot_product_attention`` call as one flash-attention kernel (forward and
+    backward ops with the kernel's own inputs and outputs: no materialised scores, no dropout mask tensor).
+
+    Args:
+        causal_lm: the traced model is a causal language model traced without padding: an explicit mask over
+            a square score matrix is its causal mask, priced as ``is_causal`` (Hugging Face models that build
+            the mask themselves, e.g. GPT-2, run the same kernel work on a GPU with ``is_causal``).
+        notes: where to say what was assumed (once).
+    """
+
+    def __init__(self, causal_lm: bool, notes: list[str]):
+        super().__init__()
+        self.causal_lm, self.notes = causal_lm, notes
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        a = dict(zip(names, args))
+        a.update(kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
+        mask, causal = a.get("attn_mask"), bool(a.get("is_causal", False))
+        if mask is not None and self.causal_lm and q.shape[-2] == k.shape[-2]:
+            mask, causal = None, True
+            note = ("attention priced as a causal flash kernel: the model's explicit mask is its causal mask "
+                    "(planned without padding)")
+            if note not in self.notes:
+                self.notes.append(note)
+        if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+        out, _ = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                  scale=a.get("scale"))
+        return out

@@ -139,14 +139,15 @@ class ModelSpec:
             raise ModelSpecError(f"factory {self.source} returned {type(model).__name__}, not a torch.nn.Module.")
         return model
 
-    def analyze(self, seq_len: int):
+    def analyze(self, seq_len: int, attention: str = "native"):
         """:class:`~torchloom.cost.model_info.ModelInfo` of the model at ``seq_len`` tokens per sample
-        (built on meta; never allocated)."""
+        (built on meta; never allocated); ``attention`` as in :func:`~torchloom.cost.analysis.analyze_model`."""
         from . import analysis
 
         if self.hf_config is not None:
             try:
-                info = analysis.analyze_config(self.hf_config, seq_len=seq_len, where=self.source)
+                info = analysis.analyze_config(self.hf_config, seq_len=seq_len, where=self.source,
+                                                attention=attention)
             except ModelSpecError:
                 raise
             except ValueError as e:  # a config transformers builds but the model cannot run (named by the trace)
@@ -156,7 +157,7 @@ class ModelSpec:
             batch = self.sample_batch()
             try:
                 info = analysis.analyze_model(model, seq_len=seq_len, name=self.name, sample_input=batch,
-                                              input_format=self.input_format)
+                                              input_format=self.input_format, attention=attention)
             except ModelSpecError:
                 raise
             except ValueError as e:  # no sample for a non-HF model, a forward that fails on the sample

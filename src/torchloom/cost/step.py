@@ -29,6 +29,15 @@ class StepShape:
     compute_dtype: str = "float32"
     param_dtype: str = "float32"
 
+    @property
+    def residual_dtype(self) -> str:
+        """Dtype of the hidden state between blocks (what pipeline stages send, what activation checkpointing
+        keeps): the parameters' dtype under plain autocast (the residual adds run in fp32), the compute dtype
+        when the parameters are cast for compute (``half``; fsdp's ``MixedPrecisionPolicy`` under amp)."""
+        if "fsdp" in self.configs and self.compute_dtype != self.param_dtype:
+            return self.compute_dtype
+        return self.param_dtype
+
     @classmethod
     def of(cls, cand: "Candidate", param_dtype: str = "float32") -> "StepShape":
         configs = {n: dict(c) for n, c in cand.methods}
@@ -63,7 +72,12 @@ class Prediction:
         peak_memory_bytes: the sum of ``memory``.
         memory_limit_bytes: the device memory it is compared with.
         tokens_per_s: tokens per second over the whole job; ``tokens_per_s_per_device`` divides by world size.
-        mfu: model FLOPs utilisation: model FLOPs per second per device (no recomputation) / ``peak_flops``.
+        mfu: model FLOPs utilisation: model FLOPs per second per device / ``peak_flops``. Model FLOPs follow the
+            PaLM/Megatron convention: ``6 N`` per token plus causal attention's unmasked half, no recomputation
+            (:meth:`~torchloom.cost.model_info.ModelInfo.flops_per_sample`).
+        hfu: hardware FLOPs utilisation: the FLOPs the kernels run (checkpointing's recomputation, flash
+            attention's recomputed scores, the causal diagonal tiles) per second per device / ``peak_flops``.
+        model_flops_per_token / hardware_flops_per_token: the two counts per token.
         peak_flops: the per-device peak the MFU divides by (dtype of the matmuls), FLOP/s.
         collectives: each collective's per-step record (kind, bytes, group, calls, seconds, exposed seconds).
         notes: assumptions the estimate made.
@@ -80,6 +94,9 @@ class Prediction:
     peak_flops: float = 0.0
     collectives: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    hfu: float = 0.0
+    model_flops_per_token: float = 0.0
+    hardware_flops_per_token: float = 0.0
 
     @property
     def fits(self) -> bool:

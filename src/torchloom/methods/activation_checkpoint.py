@@ -70,8 +70,9 @@ class ActivationCheckpoint(Method):
         f = chosen / nb
         blocks, rest = activation_bytes(info, step)
         scale = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
-        # the residual stream between blocks is fp32 under autocast, low precision only under half
-        inputs = sum(p.input_bytes * p.count for p in info.blocks) * scale * dtype_bytes(step.param_dtype) / 4
+        # the residual stream between blocks: fp32 under plain autocast, low precision under half or fsdp's
+        # mixed precision (StepShape.residual_dtype)
+        inputs = sum(p.input_bytes * p.count for p in info.blocks) * scale * dtype_bytes(step.residual_dtype) / 4
         kept_block = inputs
         e = Effects(self.name, recompute_fraction=f)
         if self.config.mode == "selective":

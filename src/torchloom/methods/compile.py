@@ -31,10 +31,18 @@ class Compile(Method):
     Config = CompileConfig
     stage = Stage.COMPILE
 
+    #: backends that generate fused kernels (the others trace and run the same eager kernels)
+    FUSING_BACKENDS = ("inductor",)
+
     def estimate(self, info, dims, hw, step):
-        """Not modelled: priced as eager (the fusion gain depends on the backend and the model). The search
-        never adds compile on its own (``search_configs`` is empty); a strategy naming it gets this note."""
-        return Effects(self.name, notes=["speed-up of torch.compile not modelled (priced as eager)"])
+        """Inductor fuses each chain of non-matmul ops between two matrix products into one kernel: the
+        blocks' memory-bound traffic becomes the fused chains' (only tensors entering or leaving a chain move,
+        :attr:`~torchloom.cost.model_info.PassCost.fused_bytes`, measured on the traced graph) and one launch
+        per chain. Matrix products and attention kernels are unchanged; the rest (embedding, head, loss) stays
+        eager, as ``apply`` compiles the blocks only. Other backends (``aot_eager``) run the eager kernels."""
+        if self.config.backend not in self.FUSING_BACKENDS:
+            return Effects(self.name, notes=[f"backend {self.config.backend!r} does not fuse: priced as eager"])
+        return Effects(self.name, fused=True)
 
     def apply(self, ctx) -> None:
         c = self.config

@@ -87,7 +87,9 @@ class FSDP(Method):
           (ZeRO-2: every block of the rank stays gathered from forward to backward) and the root's gathered
           parameters (FSDP2 never reshards the root after forward);
         * per micro-batch, an all-gather per unit in forward (ZeRO-3: again per block in backward),
-          prefetched behind the previous unit's compute except the first of each pass; per optimizer step
+          prefetched behind the previous unit's compute except the first of each pass (under pipeline
+          parallelism the units stay gathered between micro-batches: ZeRO-2 gathers once per step, ZeRO-3
+          in the warm-up forwards and every backward); per optimizer step
           a reduce-scatter per unit overlapping the backward except the last (HSDP: then an all-reduce of the
           shard over ``dp_replicate``); under gradient accumulation the gradients accumulate unsharded;
         * ``cpu_offload`` on an accelerator: sharded state in host memory (off the device), the shards
@@ -120,10 +122,17 @@ class FSDP(Method):
         e.memory_add["temporary"] = gathered + rest * cd
         e.grads_unsharded_accum = total * rd
         accum = step.grad_accum
+        # forward passes that find the units sharded: every micro-batch's, except under pipeline parallelism:
+        # torch.distributed.pipelining turns off resharding after backward until the step's last one
+        # (stage.backward_maybe_with_nosync), so ZeRO-2 gathers once per step and ZeRO-3 only in the
+        # schedule's warm-up forwards (a forward after a backward finds the units gathered)
+        fwd_gathers = accum
+        if dims.pp > 1 and "pipeline_parallel" in step.methods:
+            fwd_gathers = min(accum, dims.pp) if zero3 else 1
         if n > 1:
             e.collectives.append(Collective("all_gather", (block * nb + rest) * cd / (nb + 1), "dp_shard",
-                                            calls=accum * (nb + 1), overlap="forward", exposed_calls=accum,
-                                            label="fsdp.all_gather"))
+                                            calls=fwd_gathers * (nb + 1), overlap="forward",
+                                            exposed_calls=fwd_gathers, label="fsdp.all_gather"))
             if zero3 and nb:
                 e.collectives.append(Collective("all_gather", block * cd, "dp_shard", calls=accum * nb,
                                                 overlap="backward", label="fsdp.all_gather_bwd"))

@@ -92,7 +92,8 @@ class PipelineParallel(Method):
         (``T_F + T_B - 2 T_W`` per chunk), at least 0. Activations in flight on pipeline rank ``r``: GPipe
         ``m``, 1F1B and ZB-V ``min(m, p-r)``, interleaved ``min(mv, 2(p-r-1) + (v-1)p + 1) / v`` (Megatron's
         warm-up). The most loaded rank (parameters + 3 x for gradients and Adam state + activations) sets the
-        memory; one send of the hidden state per micro-batch and chunk in each direction."""
+        memory; one send of the hidden state per micro-batch and chunk in each direction, in the residual
+        stream's dtype (``StepShape.residual_dtype``: bf16 under fsdp's mixed precision, fp32 under plain autocast)."""
         p = dims.pp
         if p <= 1:
             return None
@@ -130,7 +131,7 @@ class PipelineParallel(Method):
         else:  # zbv
             bf, bb = (p - 1) / 2, -(p - 1) / 4
         pshape = PipelineShape(c.schedule, p, v, m, loads, bf, bb, fly,
-                               boundary_bytes=hidden_bytes(info, step, step.param_dtype))
+                               boundary_bytes=hidden_bytes(info, step, step.residual_dtype))
         share = params / info.n_params if info.n_params else 1.0
         e = Effects(self.name, pipeline=pshape,
                     memory_scale={"params": share, "grads": share, "optimizer": share,

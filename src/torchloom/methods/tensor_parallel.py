@@ -98,8 +98,10 @@ class TensorParallel(Method):
           score term only for eager attention), ``1/t`` with sequence parallel; the logits 1/t under
           loss_parallel, else gathered;
         * memory-bound bytes: the same replicated share (``0.3 + 0.7/t``), ``1/t`` with sequence parallel;
+        * transients: a block's 1/t like its activations, the loss's logits 1/t under loss_parallel;
         * per block, on the critical path: 2 all-reduces of the hidden state in forward and 2 in backward
-          (sequence parallel: as many all-gathers plus reduce-scatters of the same tensor); the vocabulary-
+          (sequence parallel: as many all-gathers plus reduce-scatters of the same tensor); the forward's are
+          issued again by activation checkpointing's recomputation (``Collective.recomputed``); the vocabulary-
           parallel embedding all-reduces its output, the head gathers the logits (not under loss_parallel:
           three small all-reduces of per-token statistics) and all-reduces its input gradient;
         * DTensor: each sharded Linear's forward + backward costs ``_DTENSOR_OPS_PER_LINEAR`` dispatched ops
@@ -120,16 +122,22 @@ class TensorParallel(Method):
                     memory_scale={"params": 1.0 / t, "grads": 1.0 / t, "optimizer": 1.0 / t})
         if blocks + rest > 0:
             e.memory_scale["activations"] = (blocks * blk + rest * rest_scale) / (blocks + rest)
+        # transients: a block's (its widest intermediate is column-sharded) and the loss's (the logits and their
+        # fp32 log-softmax: vocabulary-sharded under loss_parallel, gathered whole otherwise)
+        blk_peak = max((p.peak_extra_bytes for p in info.blocks), default=0.0)
+        rest_peak = info.rest.peak_extra_bytes if info.rest is not None else 0.0
+        base_peak = max(blk_peak, rest_peak)
+        if base_peak > 0:
+            e.memory_scale["temporary"] = max(blk_peak * blk, rest_peak * rest_scale) / base_peak
         # forward gets ops_add per block, backward twice that: a third of the fwd+bwd cost each
         e.ops_add = _DTENSOR_OPS_PER_LINEAR * _linears_per_block(info) / 3
         hb = hidden_bytes(info, step)
-        calls = step.grad_accum * blocks_per_rank(info, dims) * 4
+        calls = step.grad_accum * blocks_per_rank(info, dims) * 2  # per pass: attention's and the MLP's
         if hb and calls:
-            if sp:
-                e.collectives += [Collective("all_gather", hb, "tp", calls=calls, label="tp.all_gather"),
-                                  Collective("reduce_scatter", hb, "tp", calls=calls, label="tp.reduce_scatter")]
-            else:
-                e.collectives.append(Collective("all_reduce", hb, "tp", calls=calls, label="tp.all_reduce"))
+            kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
+            for kind in kinds:  # the forward's (repeated by checkpointing's recomputation), then the backward's
+                e.collectives += [Collective(kind, hb, "tp", calls=calls, label=f"tp.{kind}", recomputed=True),
+                                  Collective(kind, hb, "tp", calls=calls, label=f"tp.{kind}_bwd")]
         if hb:
             m = step.grad_accum
             e.collectives.append(Collective("all_reduce", hb, "tp", calls=2 * m, label="tp.embed_head_all_reduce"))
