@@ -408,7 +408,7 @@ def _check_arguments(optim_func, max_grad_norm, seed) -> None:
 
 def _check_dims_used(dims: ParallelDims, methods) -> None:
     """A degree > 1 on a dimension no method parallelises would silently duplicate work."""
-    for dim in ("tp", "pp", "ep"):
+    for dim in ("tp", "pp", "ep", "cp"):
         degree = getattr(dims, dim)
         if degree > 1 and not any(dim in type(m).mesh_dims for m in methods):
             raise StrategyError(

@@ -225,7 +225,7 @@ def test_pp_x_dp_x_tp_8ranks():
         ref = W.reference("llama", cfg["data"], 2, max_grad_norm=cfg.get("max_grad_norm"))
         _check(tag, runs[tag], ref)
         assert runs[tag][0]["mesh"] == {"pp": 2, "dp_replicate": 2 if "replicate" in tag else 1,
-                                        "dp_shard": 1 if "replicate" in tag else 2, "ep": 1, "tp": 2}
+                                        "dp_shard": 1 if "replicate" in tag else 2, "ep": 1, "tp": 2, "cp": 1}
     for r in runs["pp_replicate_tp"]:
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(
             W.reference("llama", data, 2, max_grad_norm=0.5)["norms"]), rtol=1e-5, atol=0)

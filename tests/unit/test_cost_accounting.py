@@ -221,3 +221,57 @@ def test_hand_built_pass_costs_default_their_new_fields():
     pc = PassCost(100.0, [Matmul(2, 5, 5)], other_bytes=7.0, ops=3)
     assert (pc.model_flops, pc.fused_bytes, pc.fused_kernels) == (100.0, 7.0, 3)
     assert PartInfo("x", 1, 0, 0, 0, pc, pc, {}, 0).fwd.model_flops == 100.0
+
+
+def test_context_parallel_splits_the_tokens_and_prices_the_ring():
+    """cp=2 under fsdp: every pass's FLOPs halve; per block the forward sends the rank's key/value chunk
+    (2 x S/cp tokens x kv heads x head dim x 4 B) cp-1 times, the backward twice as often; FSDP shards over
+    dp_shard x cp."""
+    info, hw = toy_info(), toy_hw(ranks=4)
+    heads, hd = 4, 64 // 4
+    one = predict(cand([("fsdp", {})], mb=2, dp_shard=2), info, hw)
+    two = predict(cand([("fsdp", {}), ("context_parallel", {})], mb=2, dp_shard=2, cp=2), info, hw)
+    assert two.time["forward"] == pytest.approx(one.time["forward"] / 2)
+    recs = {r["label"]: r for r in two.collectives}
+    chunk = 2 * (2 * S / 2) * heads * hd * 4
+    assert recs["cp.ring_kv"]["bytes"] == chunk and recs["cp.ring_kv"]["calls"] == L * 1
+    assert recs["cp.ring_kv_bwd"]["calls"] == 2 * L and recs["cp.ring_kv"]["group"] == 2
+    assert recs["fsdp.all_gather"]["view"] == "dp_shard_cp" and recs["fsdp.all_gather"]["group"] == 4
+    mem1, mem2 = compose(cand([("fsdp", {})], mb=2, dp_shard=2), info, hw).memory, compose(
+        cand([("fsdp", {}), ("context_parallel", {})], mb=2, dp_shard=2, cp=2), info, hw).memory
+    assert mem2["params"] == pytest.approx(mem1["params"] / 2)  # sharded over 4 ranks instead of 2
+    assert mem2["activations"] == pytest.approx(mem1["activations"] / 2)
+
+
+def test_context_parallel_refusals():
+    from torchloom.errors import StrategyError
+    from torchloom.methods.context_parallel import ContextParallel, ContextParallelConfig
+    from torchloom.parallel.mesh import ParallelDims
+
+    info = toy_info()  # 16 tokens: 2 x cp chunks must divide them
+    ContextParallel(ContextParallelConfig()).validate(info, ParallelDims(dp_shard=2, cp=8))
+    with pytest.raises(StrategyError, match="not a multiple of 32"):
+        ContextParallel(ContextParallelConfig()).validate(info, ParallelDims(dp_shard=1, cp=16))
+    with pytest.raises(StrategyError, match="cannot run yet"):
+        ContextParallel(ContextParallelConfig()).apply(None)
+    assert ParallelDims(pp=2, dp_shard=2, cp=4, tp=2).world == 32
+    assert ParallelDims(dp_shard=-1, cp=4).resolve(16).dp_shard == 4
+
+
+def test_float8_runs_the_block_gemms_at_the_fp8_rate_and_is_refused_without_fp8():
+    from torchloom.cost.accelerators import cluster
+    from torchloom.errors import StrategyError
+
+    info = toy_info()
+    hw = toy_hw(ranks=1)
+    hw.matmul_flops["float8"] = [(1.0, 4e10)]  # twice the toy bf16 rate
+    hw.peak_flops["float8"] = 8e10
+    bf16 = predict(cand([("amp", {"dtype": "bfloat16"})], mb=2), info, hw)
+    fp8 = predict(cand([("float8", {})], mb=2), info, hw)
+    blocks_bf16 = 2 * L * info.parts[0].fwd.matmul_flops / 2e10
+    blocks_fp8 = 2 * L * info.parts[0].fwd.matmul_flops / 4e10
+    assert bf16.time["forward"] - fp8.time["forward"] == pytest.approx(blocks_bf16 - blocks_fp8)
+    assert fp8.time["float8.casts"] > 0
+    with pytest.raises(StrategyError, match="no FP8 tensor cores.*h100-sxm"):
+        predict(cand([("float8", {})], mb=2), info, cluster("a100", 8))
+

@@ -79,7 +79,7 @@ def test_strategy_is_evaluated_not_searched():
     d = json.loads(r.stdout)
     assert d["mode"] == "strategy" and d["evaluated"] == 1 and len(d["candidates"]) == 1
     c = d["candidates"][0]
-    assert c["candidate"]["dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 128, "ep": 1, "tp": 8}
+    assert c["candidate"]["dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 128, "ep": 1, "tp": 8, "cp": 1}
     assert c["candidate"]["micro_batch"] == 2 and c["candidate"]["grad_accum"] == 1  # 256 / dp 128
     assert [n for n, _ in c["candidate"]["methods"]] == ["tensor_parallel", "fsdp", "amp", "checkpoint"]
     # the same numbers as the cost model gives that candidate directly

@@ -52,6 +52,8 @@ def test_bad_value_type():
     with pytest.raises(StrategyError, match=r"'bucket_cap_mb' expects float, got 'big'"):
         Strategy([("ddp", {"bucket_cap_mb": "big"})])
     with pytest.raises(StrategyError, match=r"'dtype' expects one of"):
+        Strategy([("amp", {"dtype": "int4"})])
+    with pytest.raises(StrategyError, match=r"the 'float8' method"):  # FP8 is its own method, named with the fix
         Strategy([("amp", {"dtype": "fp8"})])
     with pytest.raises(StrategyError, match=r"expects bool"):
         Strategy([("fsdp", {"cpu_offload": 1})])

@@ -92,7 +92,9 @@ class Accelerator:
     Attributes:
         name: table key (``"h100-sxm"``); description: the product name.
         vendor: ``"nvidia"`` / ``"amd"`` (selects the GEMM efficiency assumption).
-        peak_flops: dense peak FLOP/s by dtype: ``bfloat16``, ``float16``, ``tf32``, ``float32``.
+        peak_flops: dense peak FLOP/s by dtype: ``bfloat16``, ``float16``, ``tf32``, ``float32``, and ``float8``
+            where the GPU has FP8 tensor cores (H100/H200: 3,958 TFLOPS with sparsity in the datasheet, halved;
+            B200: 72 PF FP8 with sparsity per 8-GPU HGX, /8 /2; MI300X: 2,614.9 TFLOPS dense).
         memory_bytes: HBM capacity (bytes); mem_bw: HBM bandwidth (bytes/s).
         link: ``"nvlink"`` (NVSwitch: every GPU reaches any peer at ``link_bw``), ``"pcie"`` (through the PCIe
             switch at ``link_bw``) or ``"xgmi"`` (fully connected mesh: ``link_bw`` per peer link,
@@ -159,8 +161,10 @@ class Accelerator:
         return self.link_bw
 
 
-def _nvidia(name, description, bf16, tf32, fp32, mem_gib, mem_bw, link, link_bw, inter_bw, src, node_src):
+def _nvidia(name, description, bf16, tf32, fp32, mem_gib, mem_bw, link, link_bw, inter_bw, src, node_src, fp8=None):
     flops = {"bfloat16": bf16, "float16": bf16, "tf32": tf32, "float32": fp32}
+    if fp8:
+        flops["float8"] = fp8
     sources = {"peak_flops": src + " (dense; the datasheet's tensor numbers are with 2:4 sparsity, halved)",
                "memory_bytes": src, "mem_bw": src, "link_bw": src, "inter_bw": node_src, "link": src}
     return Accelerator(name, description, "nvidia", flops, mem_gib * GiB, mem_bw, link, link_bw, inter_bw,
@@ -176,21 +180,22 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
             _DGX_A100 + " (8x ConnectX-6 200 Gb/s HDR InfiniBand for compute, one per GPU)"),
     _nvidia("h100-sxm", "NVIDIA H100 SXM5 80GB", 989.4 * TFLOPS, 494.7 * TFLOPS, 66.9 * TFLOPS, 80, 3350 * GB,
             "nvlink", 450 * GB, 400 * GBIT, _H100,
-            _DGX_H100 + " (8x ConnectX-7 400 Gb/s NDR InfiniBand for compute, one per GPU)"),
+            _DGX_H100 + " (8x ConnectX-7 400 Gb/s NDR InfiniBand for compute, one per GPU)", fp8=1978.9 * TFLOPS),
     _nvidia("h100-pcie", "NVIDIA H100 PCIe 80GB", 756.5 * TFLOPS, 378 * TFLOPS, 51.2 * TFLOPS, 80, 2000 * GB,
             "pcie", 64 * GB, 400 * GBIT, _H100 + " (PCIe Gen5 x16: 128 GB/s both directions; the NVLink bridge "
             "joins pairs only, so node-wide rings run over PCIe)",
-            _CX7 + " (assumption: one 400 Gb/s NDR ConnectX-7 per GPU as in DGX; many PCIe servers have fewer)"),
+            _CX7 + " (assumption: one 400 Gb/s NDR ConnectX-7 per GPU as in DGX; many PCIe servers have fewer)",
+            fp8=1513 * TFLOPS),
     _nvidia("h200", "NVIDIA H200 SXM 141GB", 989.4 * TFLOPS, 494.7 * TFLOPS, 66.9 * TFLOPS, 141, 4800 * GB,
             "nvlink", 450 * GB, 400 * GBIT, _H200,
-            _DGX_H200 + " (8x ConnectX-7 400 Gb/s NDR InfiniBand for compute, one per GPU)"),
+            _DGX_H200 + " (8x ConnectX-7 400 Gb/s NDR InfiniBand for compute, one per GPU)", fp8=1978.9 * TFLOPS),
     _nvidia("b200", "NVIDIA B200 SXM (HGX/DGX B200)", 2250 * TFLOPS, 1125 * TFLOPS, 75 * TFLOPS, 180, 8000 * GB,
             "nvlink", 900 * GB, 400 * GBIT, _HGX_B200 + " (8-GPU totals divided by 8: FP16/BF16 36 PF and TF32 "
             "18 PF with sparsity, FP32 600 TF, 1.44 TB memory at 64 TB/s, NVLink 5 1.8 TB/s both directions)",
-            _DGX_B200 + " (8x ConnectX-7 400 Gb/s for compute, one per GPU)"),
+            _DGX_B200 + " (8x ConnectX-7 400 Gb/s for compute, one per GPU)", fp8=4500 * TFLOPS),
     Accelerator("mi300x", "AMD Instinct MI300X OAM 192GB", "amd",
                 {"bfloat16": 1307.4 * TFLOPS, "float16": 1307.4 * TFLOPS, "tf32": 653.7 * TFLOPS,
-                 "float32": 163.4 * TFLOPS},
+                 "float32": 163.4 * TFLOPS, "float8": 2614.9 * TFLOPS},
                 192 * GiB, 5300 * GB, "xgmi", 64 * GB, 400 * GBIT, link_count=7,
                 sources={"peak_flops": _MI300X + " (dense matrix numbers; sparsity doubles them)",
                          "memory_bytes": _MI300X, "mem_bw": _MI300X, "link": _MI300X_PLATFORM,

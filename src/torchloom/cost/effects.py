@@ -46,7 +46,7 @@ OVERLAPS = ("forward", "backward", "compute", "none")
 
 #: mesh views a collective can run over (``dp`` = dp_replicate x dp_shard, flattened; ``ep`` and ``edp`` =
 #: dp / ep carved out of it for experts)
-VIEWS = ("dp", "dp_replicate", "dp_shard", "tp", "pp", "ep", "edp")
+VIEWS = ("dp", "dp_replicate", "dp_shard", "tp", "pp", "ep", "edp", "cp", "dp_shard_cp", "dp_cp")
 
 #: memory categories that parameter groups split (the rest are not per-parameter)
 GROUPED = ("params", "grads", "optimizer")

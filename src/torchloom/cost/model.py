@@ -20,7 +20,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..parallel.dims import spans_nodes  # noqa: F401  (re-exported: the node-span rule the cost model uses)
+from ..parallel.dims import spans_nodes, view_size  # noqa: F401  (spans_nodes re-exported: the node-span rule)
 from .step import Prediction, StepShape
 from .effects import (DTYPE_BYTES, MEMORY, MEMORY_SET, Collective, Effects, PipelineShape, StageLoad,
                       expert_shard_scale)
@@ -89,8 +89,11 @@ def predict(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence[
         is_rest = part.name == "rest"
         extra = 0.0 if is_rest else ops_add
         fused = c.fused and not is_rest  # compile fuses the blocks; the rest runs eager
-        f, f_mm = _pass_time(cache, (i, "f"), part.fwd, mb, dtype, hw, mm, other, ops_scale, extra, fused, False)
-        b, _ = _pass_time(cache, (i, "b"), part.bwd, mb, dtype, hw, mm, other, ops_scale, 2 * extra, fused, True)
+        gemm = dtype if is_rest else step.block_gemm_dtype  # float8 converts the blocks' Linears only
+        f, f_mm = _pass_time(cache, (i, "f"), part.fwd, mb, dtype, hw, mm, other, ops_scale, extra, fused, False,
+                             gemm)
+        b, _ = _pass_time(cache, (i, "b"), part.bwd, mb, dtype, hw, mm, other, ops_scale, 2 * extra, fused, True,
+                          gemm)
         parts.append((is_rest, part.count, f, b, 0.0 if is_rest else f - f_mm * (1.0 - c.recompute_matmul_share)))
     nb = max(info.num_blocks, 1)
     per_rank = []
@@ -155,7 +158,7 @@ def predict(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence[
     peak = sum(memory.values())
 
     step_time = sum(time.values())
-    world = dims.pp * dims.dp_replicate * dims.dp_shard * dims.tp  # ep is carved out of dp, not a factor
+    world = dims.world  # ep is carved out of dp, not a factor
     tokens = cand.global_batch * cand.seq_len
     tps = tokens / step_time if step_time > 0 else 0.0
     peak_flops = hw.peak_flops.get(dtype) or hw.peak_flops.get("float32", 0.0)
@@ -368,14 +371,17 @@ def _pass_cache(info: ModelInfo, hw: Hardware) -> dict:
 
 
 def _pass_time(cache: dict, key, pc: PassCost, mb: float, dtype: str, hw: Hardware, mm: float, other: float,
-               ops_scale: float, ops_add: float, fused: bool = False, backward: bool = False) -> tuple[float, float]:
+               ops_scale: float, ops_add: float, fused: bool = False, backward: bool = False,
+               gemm_dtype: str | None = None) -> tuple[float, float]:
     """Seconds of one pass of one part instance at micro-batch ``mb`` (per rank): ``(total, matmul part)``.
 
     GEMMs at the achieved rate of their size; attention products at the hardware's attention-kernel rate
     where it has one (else as GEMMs); the memory-bound bytes (eager per op, or the fused chains' when
     ``fused``) at the activation bandwidth; per-op dispatch. Where kernels launch asynchronously (CUDA) the
-    host's dispatch overlaps the device's work: the pass costs the longer of the two."""
-    k = (key, mb, dtype, mm, other, ops_scale, ops_add, fused)
+    host's dispatch overlaps the device's work: the pass costs the longer of the two. ``gemm_dtype``: the
+    weight GEMMs' dtype when it differs from ``dtype`` (float8's)."""
+    gemm_dtype = gemm_dtype or dtype
+    k = (key, mb, dtype, mm, other, ops_scale, ops_add, fused, gemm_dtype)
     t = cache.get(k)
     if t is not None:
         return t
@@ -387,7 +393,7 @@ def _pass_time(cache: dict, key, pc: PassCost, mb: float, dtype: str, hw: Hardwa
             if g.attention and attn_rate:
                 t += g.count * one * g.share / attn_rate
             else:
-                t += g.count * one * g.share / hw.matmul_rate(dtype, one)
+                t += g.count * one * g.share / hw.matmul_rate(dtype if g.attention else gemm_dtype, one)
         listed += g.flops
     rest = (pc.matmul_flops - listed) * mb * mm  # FLOPs without shapes: the largest listed rate
     if rest > 0:
@@ -413,8 +419,8 @@ def _optimizer_time(mem: dict[str, float], step: StepShape, hw: Hardware) -> flo
 
 # -- communication -----------------------------------------------------------------------------------
 def view_degree(dims, view: str) -> int:
-    """Group size of a mesh view (``dp`` = dp_replicate x dp_shard)."""
-    return dims.dp if view == "dp" else getattr(dims, view)
+    """Group size of a mesh view (``dp`` = dp_replicate x dp_shard; flattened views multiply their dims)."""
+    return view_size(dims, view)
 
 
 def _collective_cache(hw: Hardware) -> dict:
@@ -437,7 +443,7 @@ def _exposed(collectives: list[tuple[str, Collective]], dims, hw: Hardware,
     recs: list[dict[str, Any]] = []
     phases: dict[str, list] = {}  # overlap phase -> (record, never-hidden seconds, hideable seconds)
     memo = _collective_cache(hw)
-    dims_key = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.ep, dims.tp)
+    dims_key = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.ep, dims.tp, dims.cp)
     for method, c in collectives:
         g = view_degree(dims, c.view)
         if g <= 1 or c.calls <= 0 or c.nbytes <= 0:

@@ -19,6 +19,8 @@ class StepShape:
         configs: each method's config as a dict.
         compute_dtype: dtype name of the matmuls (``"bfloat16"`` under amp/half, else ``"float32"``).
         param_dtype: dtype name the parameters are stored in (``"bfloat16"`` under half).
+        fp8: the blocks' weight GEMMs run in FP8 (the ``float8`` method); attention and the head stay in
+            ``compute_dtype``.
     """
 
     micro_batch: int
@@ -28,6 +30,12 @@ class StepShape:
     configs: dict[str, dict[str, Any]]
     compute_dtype: str = "float32"
     param_dtype: str = "float32"
+    fp8: bool = False
+
+    @property
+    def block_gemm_dtype(self) -> str:
+        """Dtype of the blocks' weight GEMMs: ``"float8"`` under the float8 method, else ``compute_dtype``."""
+        return "float8" if self.fp8 else self.compute_dtype
 
     @property
     def residual_dtype(self) -> str:
@@ -45,9 +53,13 @@ class StepShape:
         for n in ("amp", "half"):
             if n in configs:
                 compute = _dtype_name(configs[n].get("dtype", "bfloat16"))
+        fp8 = "float8" in configs or "fp8" in configs
+        if fp8 and compute == param_dtype:  # float8 implies bf16 amp
+            compute = "bfloat16"
         if "half" in configs:
             param_dtype = compute
-        return cls(cand.micro_batch, cand.grad_accum, cand.seq_len, list(configs), configs, compute, param_dtype)
+        return cls(cand.micro_batch, cand.grad_accum, cand.seq_len, list(configs), configs, compute, param_dtype,
+                   fp8)
 
 
 #: spellings the amp/half ``dtype`` options accept -> canonical dtype names

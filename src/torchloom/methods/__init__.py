@@ -3,3 +3,5 @@ from . import activation_checkpoint, amp, compile, ddp, fsdp, half, parallel_mod
 from . import module_replace  # noqa: F401
 from . import pipeline_parallel  # noqa: F401
 from . import expert_parallel  # noqa: F401
+from . import float8  # noqa: F401
+from . import context_parallel  # noqa: F401

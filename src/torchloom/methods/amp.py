@@ -9,6 +9,7 @@ from typing import Literal
 
 import torch
 
+from ..errors import StrategyError
 from ..cost.effects import Collective, Effects, blocks_per_rank, dtype_bytes, rank_params
 from ..parallel.loss_scaler import DynamicLossScaler
 from ..parallel.precision import upcast_low_precision
@@ -55,6 +56,14 @@ class Amp(Method):
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.config.dtype]
+
+    @classmethod
+    def normalise_config(cls, raw):
+        dtype = raw.get("dtype") if isinstance(raw, dict) else None
+        if isinstance(dtype, str) and dtype.lower().replace("_", "") in ("float8", "fp8", "float8e4m3fn"):
+            raise StrategyError("amp: FP8 training is the 'float8' method on top of bf16 amp (torchao Float8Linear "
+                                "in the blocks): use [{amp: {dtype: bfloat16}}, float8] (or just float8).")
+        return raw
 
     search_configs = ({"dtype": "bfloat16"},)
 

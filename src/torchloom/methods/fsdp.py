@@ -101,7 +101,10 @@ class FSDP(Method):
         :func:`_shard_experts`), see :func:`_expert_units`.
         """
         c = self.config
-        n, r = dims.dp_shard, dims.dp_replicate
+        # under context parallelism FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp): the cp ranks hold
+        # the same parameters and their gradients are reduced together
+        n, r = dims.dp_shard * dims.cp, dims.dp_replicate
+        shard_view = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
         cd, pd = dtype_bytes(step.compute_dtype), dtype_bytes(step.param_dtype)
         rd = dtype_bytes(c.reduce_dtype) if step.compute_dtype != step.param_dtype else pd
         tp, nb = max(dims.tp, 1), blocks_per_rank(info, dims)
@@ -130,13 +133,13 @@ class FSDP(Method):
         if dims.pp > 1 and "pipeline_parallel" in step.methods:
             fwd_gathers = min(accum, dims.pp) if zero3 else 1
         if n > 1:
-            e.collectives.append(Collective("all_gather", (block * nb + rest) * cd / (nb + 1), "dp_shard",
+            e.collectives.append(Collective("all_gather", (block * nb + rest) * cd / (nb + 1), shard_view,
                                             calls=fwd_gathers * (nb + 1), overlap="forward",
                                             exposed_calls=fwd_gathers, label="fsdp.all_gather"))
             if zero3 and nb:
-                e.collectives.append(Collective("all_gather", block * cd, "dp_shard", calls=accum * nb,
+                e.collectives.append(Collective("all_gather", block * cd, shard_view, calls=accum * nb,
                                                 overlap="backward", label="fsdp.all_gather_bwd"))
-            e.collectives.append(Collective("reduce_scatter", (block * nb + rest) * rd / (nb + 1), "dp_shard",
+            e.collectives.append(Collective("reduce_scatter", (block * nb + rest) * rd / (nb + 1), shard_view,
                                             calls=nb + 1, overlap="backward", exposed_calls=1,
                                             label="fsdp.reduce_scatter"))
         if r > 1:

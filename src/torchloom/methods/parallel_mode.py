@@ -37,6 +37,7 @@ class ParallelModeConfig:
     tp: int | None = None
     pp: int | None = None
     ep: int | None = None
+    cp: int | None = None
 
     def __post_init__(self):
         if self.dp is not None and (self.dp_replicate is not None or self.dp_shard is not None):
@@ -76,7 +77,7 @@ class ParallelMode(Method):
 
     def configure(self, ctx) -> None:
         c = self.config
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep"):
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "cp"):
             v = getattr(c, name)
             if v is not None:
                 setattr(ctx.dims, name, v)

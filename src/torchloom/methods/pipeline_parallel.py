@@ -131,7 +131,7 @@ class PipelineParallel(Method):
         else:  # zbv
             bf, bb = (p - 1) / 2, -(p - 1) / 4
         pshape = PipelineShape(c.schedule, p, v, m, loads, bf, bb, fly,
-                               boundary_bytes=hidden_bytes(info, step, step.residual_dtype))
+                               boundary_bytes=_boundary_bytes(info, dims, step))
         share = params / info.n_params if info.n_params else 1.0
         e = Effects(self.name, pipeline=pshape,
                     memory_scale={"params": share, "grads": share, "optimizer": share,
@@ -258,3 +258,11 @@ def _check_microbatches(c: PipelineConfig, pp: int) -> None:
                 f"pipeline_parallel: {c.schedule!r} needs num_microbatches to be a multiple of num_microbatches // pp "
                 f"= {rounds} (e.g. a multiple of pp={pp}), got {n}."
             )
+
+
+def _boundary_bytes(info, dims, step) -> float:
+    """Bytes of the hidden state one stage sends per micro-batch: in the residual stream's dtype, split over the
+    context-parallel ranks (each holds 1/cp of the tokens) and, under sequence parallelism, over the tensor-
+    parallel ranks (the stage output is sequence-sharded)."""
+    split = dims.cp * (dims.tp if "sequence_parallel" in step.methods else 1)
+    return hidden_bytes(info, step, step.residual_dtype) / split

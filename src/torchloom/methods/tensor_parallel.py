@@ -131,7 +131,7 @@ class TensorParallel(Method):
             e.memory_scale["temporary"] = max(blk_peak * blk, rest_peak * rest_scale) / base_peak
         # forward gets ops_add per block, backward twice that: a third of the fwd+bwd cost each
         e.ops_add = _DTENSOR_OPS_PER_LINEAR * _linears_per_block(info) / 3
-        hb = hidden_bytes(info, step)
+        hb = hidden_bytes(info, step) / dims.cp  # context parallel: the rank's 1/cp of the tokens
         calls = step.grad_accum * blocks_per_rank(info, dims) * 2  # per pass: attention's and the MLP's
         if hb and calls:
             kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)

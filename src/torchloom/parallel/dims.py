@@ -13,12 +13,18 @@ import math
 from functools import lru_cache
 
 from ..errors import StrategyError
-from .mesh import DIM_NAMES, ParallelDims
+from .mesh import ParallelDims
 
-#: the named views of a mesh and the dimensions each one spans
+#: the planner's layout, outermost first (the live mesh's ``DIM_NAMES`` with ``cp`` between ``dp_shard`` and
+#: ``tp``, torchtitan's order; a degree of 1 changes no stride)
+PLAN_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+#: the named views of a mesh and the dimensions each one spans (``dp_shard_cp``: what FSDP shards over under
+#: context parallelism; ``dp_cp``: what gradients are reduced over)
 VIEWS: dict[str, tuple[str, ...]] = {
-    "pp": ("pp",), "dp_replicate": ("dp_replicate",), "dp_shard": ("dp_shard",), "tp": ("tp",),
+    "pp": ("pp",), "dp_replicate": ("dp_replicate",), "dp_shard": ("dp_shard",), "tp": ("tp",), "cp": ("cp",),
     "dp": ("dp_replicate", "dp_shard"), "ep": ("ep",), "edp": ("edp",),
+    "dp_shard_cp": ("dp_shard", "cp"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 
 
@@ -64,7 +70,7 @@ def view_size(dims: ParallelDims, view: str) -> int:
         raise StrategyError(f"unknown mesh view {view!r}; valid: {', '.join(VIEWS)}.")
     if view == "edp":
         return dims.edp
-    size = 1
+    size = 1  # (a flattened view spans consecutive dims: their degrees multiply)
     for d in VIEWS[view]:
         size *= getattr(dims, d)
     return size
@@ -74,10 +80,10 @@ def view_stride(dims: ParallelDims, view: str) -> int:
     """Distance in global rank between neighbouring members of the view's innermost dimension (``tp``: 1;
     ``ep``: ``tp``, the inner data-parallel ranks; ``edp``: ``ep x tp``)."""
     if view in ("ep", "edp"):
-        return dims.tp * (dims.ep if view == "edp" else 1)
-    inner = DIM_NAMES.index(VIEWS[view][-1])
+        return dims.tp * dims.cp * (dims.ep if view == "edp" else 1)
+    inner = PLAN_DIMS.index(VIEWS[view][-1])
     stride = 1
-    for d in DIM_NAMES[inner + 1:]:
+    for d in PLAN_DIMS[inner + 1:]:
         stride *= getattr(dims, d)
     return stride
 

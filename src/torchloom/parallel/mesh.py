@@ -34,8 +34,11 @@ EXPERT_VIEWS = ("edp", "ep")
 class ParallelDims:
     """Degrees of each mesh dimension (-1 = fill with the rest of the world).
 
-    ``pp x dp_replicate x dp_shard x tp`` = world size; ``ep`` is not a factor of the world but a divisor of
+    ``pp x dp_replicate x dp_shard x cp x tp`` = world size; ``ep`` is not a factor of the world but a divisor of
     ``dp`` (= dp_replicate x dp_shard): expert peers are data-parallel ranks (see the module docstring).
+    ``cp`` (context parallel: each sample's sequence split over ``cp`` ranks, between ``dp_shard`` and ``tp``
+    in the layout, as torchtitan orders it) is priced by the planner; a live mesh refuses ``cp > 1`` until
+    the method runs (issue [13]).
     """
 
     pp: int = 1
@@ -43,6 +46,12 @@ class ParallelDims:
     dp_shard: int = 1
     ep: int = 1
     tp: int = 1
+    cp: int = 1
+
+    @property
+    def world(self) -> int:
+        """The world size these degrees fill (``ep`` is carved out of ``dp``, not a factor)."""
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     def resolve(self, world_size: int) -> "ParallelDims":
         """Replace a -1 by the remaining degree and check the product equals ``world_size``.
@@ -122,6 +131,10 @@ class ParallelMesh:
     def __init__(self, dims: ParallelDims, device_type: str = "cpu"):
         world = dist.get_world_size()
         self.dims = dims.resolve(world)
+        if self.dims.cp > 1:
+            raise StrategyError(f"context parallelism (cp={self.dims.cp}) is priced by `loom plan` but cannot run "
+                                "yet: the context_parallel method lands with issue [13]. Set cp=1 (split long "
+                                "sequences with activation checkpointing or tensor/pipeline parallelism for now).")
         self.device_type = device_type
         shape = tuple(getattr(self.dims, n) for n in DIM_NAMES)
         self.world: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)

@@ -46,7 +46,7 @@ class Candidate:
 
     def strategy(self) -> Strategy:
         """The :class:`Strategy` to apply: ``parallel_mode`` with every degree, then the methods."""
-        degrees = {k: v for k, v in self.dims.as_dict().items() if k != "ep" or v > 1}
+        degrees = {k: v for k, v in self.dims.as_dict().items() if k not in ("ep", "cp") or v > 1}
         return Strategy([("parallel_mode", degrees), *[(n, dict(c)) if c else n for n, c in self.methods]])
 
     def key(self) -> str:
@@ -60,7 +60,7 @@ class Candidate:
         """A short human-readable name, e.g. ``dp2 tp2 | fsdp amp(bf16) ckpt/2 | mb4x2``."""
         d = self.dims
         mesh = " ".join(f"{k}{v}" for k, v in (("pp", d.pp), ("dpr", d.dp_replicate), ("dps", d.dp_shard),
-                                               ("ep", d.ep), ("tp", d.tp)) if v > 1) or "1"
+                                               ("ep", d.ep), ("cp", d.cp), ("tp", d.tp)) if v > 1) or "1"
         parts = []
         for n, c in self.methods:
             if n == "fsdp":
@@ -72,6 +72,10 @@ class Candidate:
             elif n == "checkpoint":
                 k = c.get("every_k", 1)
                 parts.append("ac" if k == 1 else f"ac/{k}")
+            elif n == "float8":
+                parts.append("fp8")
+            elif n == "compile":
+                parts.append("compile")
             elif n == "pipeline_parallel":
                 parts.append(f"pp:{c.get('schedule', '1f1b')}")
             else:

@@ -162,7 +162,7 @@ class SearchResult:
         if self.sequence:
             return p.tokens_per_s_per_device
         c = e.candidate
-        world = c.dims.pp * c.dims.dp * c.dims.tp
+        world = c.dims.world
         return c.global_batch / p.step_time_s / world if p.step_time_s > 0 else 0.0
 
     def to_dict(self, max_ranked: int = 50) -> dict[str, Any]:

@@ -28,7 +28,7 @@ def validate_strategy(strategy: StrategyLike, info: ModelInfo, dims: ParallelDim
     from ..strategy.data_parallel import replicating_data_parallel
 
     strategy = Strategy.parse(strategy)
-    world = dims.pp * dims.dp_replicate * dims.dp_shard * dims.tp
+    world = dims.world
     planned = plan_dims(strategy, world)
     if planned != dims:
         raise StrategyError(f"the strategy's degrees resolve to {planned.as_dict()} on {world} ranks, not "
