@@ -202,7 +202,8 @@ def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_pe
     say("calibrating this machine" if cl.local else f"building the {cl.gpu} cluster model")
     hw = hardware if hardware is not None else cluster_hardware(cl)
     say(f"analysing {spec.name} on the meta device at {seq:,} tokens per sample")
-    info = spec.analyze(seq)
+    # a GPU cluster runs attention as a flash kernel; this machine as it dispatches it
+    info = spec.analyze(seq, attention="native" if hw.device_type == "cpu" else "flash")
     notes = [*spec.notes, *notes]
     if strategy is not None:
         say(f"evaluating the strategy on {cl.gpus:,} ranks")
