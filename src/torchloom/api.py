@@ -51,6 +51,9 @@ class AccelerateResult:
             ``check_replicas_every`` was given, else None.
         search: with ``strategy="auto"`` or a plan file, the :class:`~torchloom.search.result.SearchResult`
             (predictions, trials, the chosen plan); else None.
+        prediction_check: with ``check_prediction=True``, the
+            :class:`~torchloom.search.drift.PredictionDrift` comparing the measured step time with the cost
+            model's prediction (``record()`` for your logs, ``summary()``); else None.
     """
 
     model: nn.Module
@@ -70,6 +73,7 @@ class AccelerateResult:
     notes: list[str] = field(default_factory=list)
     replica_monitor: Any = None
     search: Any = None
+    prediction_check: Any = None
     _trackers: Any = field(default=None, init=False, repr=False)  # TrackerGroup of init_trackers / the first log
 
     def check_replicas(self, raise_error: bool = True):
@@ -191,6 +195,7 @@ def auto_accelerate(
     seed: int = 0,
     check_replicas_every: int | None = None,
     search: dict[str, Any] | None = None,
+    check_prediction: bool = False,
 ) -> AccelerateResult:
     """Turn a single-device model and recipe into a distributed one (ATorch-compatible signature).
 
@@ -230,6 +235,14 @@ def auto_accelerate(
             the first optimizer step and then every N steps, and raise ReplicaDivergenceError naming the
             first parameter that differs (one small all-gather per replica group; docs/methods/ddp.md).
             None (default) or 0 = off (``loom train`` spells off as 0); a bool is rejected.
+        check_prediction: compare each optimizer step's measured wall time (from the end of the previous
+            ``train_step`` optimizer step) with the cost model's prediction for the plan that runs, and warn once
+            (:class:`~torchloom.search.drift.PredictionDriftWarning`, rank 0) when the median of the last 20
+            steps after 3 warm-up steps is off by more than the published error band (20%), naming the
+            ``loom calibrate --refresh`` command. Costs the model analysis (~0.5 s for a 4M-parameter LLaMA;
+            none with ``strategy="auto"``) and the calibration check (~0.3 s when cached; ~10 s, once per
+            machine, when not). ``res.prediction_check.record()`` gives ``predicted_step_s``,
+            ``measured_step_s`` and ``drift`` for your logs; it never raises (docs/cost_model.md, "Online check").
 
     Returns:
         :class:`AccelerateResult`.
@@ -257,6 +270,8 @@ def auto_accelerate(
         raise ValueError(f"check_replicas_every must be a positive int, or 0 or None (off), got "
                          f"{check_replicas_every!r}.")
     check_replicas_every = check_replicas_every or None  # 0 = off, as in loom train's config
+    if not isinstance(check_prediction, bool):
+        raise ValueError(f"check_prediction must be True or False, got {check_prediction!r}.")
     device = init_distributed()
     strategy, config_note = default_strategy(strategy, model)  # None: a `loom config` file's (docs/config.md)
     strategy, dataloader_args, searched = _resolve_search(model, strategy, search, dict(
@@ -293,6 +308,12 @@ def auto_accelerate(
     set_current_mesh(ctx.mesh)  # eval_loader / reduce_metrics without mesh= use its dp view
     if ctx.loss_scaler is not None:
         ctx.loss_scaler.group = None  # world: every rank must agree on skipping
+
+    analysis = None
+    if check_prediction:  # the unchanged model's analysis, before any method transforms it
+        from .search.drift import analysis_before_apply
+
+        analysis = analysis_before_apply(model, dataset, dataloader_args, model_input_format, loss_func, searched)
 
     # 2. apply: each method transforms the model in stage order
     torch.manual_seed(seed)
@@ -339,7 +360,7 @@ def auto_accelerate(
         dp_group=ctx.mesh.group("dp"), dp_size=ctx.mesh.dp_size, step_contexts=ctx.step_contexts,
         grad_norm_groups=ctx.grad_norm_groups, pre_step_hooks=ctx.pre_step_hooks,
     )
-    return AccelerateResult(
+    res = AccelerateResult(
         model=ctx.model, optimizer=ctx.optimizer, dataloader=dataloader, loss_func=loss_func,
         lr_scheduler=lr_scheduler, strategy=strategy, mesh=ctx.mesh, train_step=step, grad_accum_steps=accum,
         micro_batch_size=micro, global_batch_size=global_bs, loss_scaler=ctx.loss_scaler, device=device,
@@ -347,6 +368,11 @@ def auto_accelerate(
         notes=ctx.notes if searched is None else [*searched.notes, *ctx.notes], replica_monitor=monitor,
         search=None if searched is None else searched.search,
     )
+    if analysis is not None:
+        from .search.drift import attach
+
+        res.prediction_check = attach(res, *analysis)
+    return res
 
 
 def _resolve_search(model, strategy, search, recipe):

@@ -222,6 +222,8 @@ class TrainStep:
     ``last_moe_metrics`` (dict of floats: the weighted aux losses of the window averaged over its
     micro-batches, their sum ``aux_loss``, ``dropped_fraction``) and ``last_expert_load`` ([layers, E] int64
     assignments per expert over the window, before dropping), this rank's layers only; both None without MoE.
+    ``step_observers``: callables ``observer(train_step)`` run after each optimizer step, once the call's loss
+    is reported (``auto_accelerate(check_prediction=True)`` adds its step-time check here).
 
     MoE aux losses (docs/moe.md, "train_step"): their gradient gets exactly the factor the main loss gets:
     ``1 / grad_accum_steps`` (pipeline: also ``/ num_microbatches``) times the fp16 loss scale; with
@@ -279,6 +281,11 @@ class TrainStep:
         self._moe_aux = any(m.config.aux_loss_weight > 0 or m.config.z_loss_weight > 0 for m in self._moe)
         self.last_moe_metrics: dict[str, float] | None = None
         self.last_expert_load: torch.Tensor | None = None
+        self.step_observers: list[Callable[["TrainStep"], None]] = []  # called after each optimizer step
+
+    def _notify_step(self) -> None:
+        for observer in self.step_observers:
+            observer(self)
 
     # ------------------------------------------------------------------------------------------------
     def __call__(self, batch: Any) -> torch.Tensor:
@@ -294,7 +301,10 @@ class TrainStep:
         self.micro_step += 1
         if sync:
             self.step()
-        return self._reported(report, reduced)
+        out = self._reported(report, reduced)
+        if sync:
+            self._notify_step()
+        return out
 
     # ------------------------------------------------------------------------------------------------ report
     def _start_report(self, stat: torch.Tensor) -> tuple[torch.Tensor, Any] | None:
@@ -485,7 +495,10 @@ class TrainStep:
         reduced = self._start_report(stat)  # in flight during the optimizer step
         if sync:
             self.step()
-        return self._reported(stats["report"], reduced).cpu()
+        out = self._reported(stats["report"], reduced).cpu()
+        if sync:
+            self._notify_step()
+        return out
 
     def _check_pipeline_sum_aux(self, sum_mode: bool | None) -> None:
         """SumLoss + MoE aux losses under pipeline parallelism: the aux factor would need each micro-batch's
