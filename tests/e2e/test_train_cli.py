@@ -19,21 +19,44 @@ TRAIN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "step_time_s", "peak_mem_b
                 "peak_flops", "peak_flops_source", "tokens_seen", "grad_norm", "world_size"}
 
 
-def loom(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def loom(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     env.pop("OMP_NUM_THREADS", None)  # let the launcher pick cores / nproc
     return subprocess.run([sys.executable, "-m", "torchloom.cli", *args], cwd=REPO, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
 
 
-def smoke(out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
-    return loom("train", "smoke", "--output-dir", str(out), "--set", f"data.cache_dir={cache}", *extra)
+def smoke(out: Path, cache: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return loom("train", "smoke", "--output-dir", str(out), "--set", f"data.cache_dir={cache}", *extra, env=env)
+
+
+SLOW_MATMUL = 1e8  # FLOP/s of the hand-built calibration: predicts seconds per smoke step, which take ~30 ms
+
+
+def hand_calibration(directory: Path) -> Path:
+    """A calibration of this machine for `loom train smoke`'s layout (2 ranks) in ``directory`` (a
+    TORCHLOOM_CACHE_DIR) that the job's re-check keeps without measuring (its probe reads far faster than any
+    now), with a matmul rate so low that the prediction check must warn. Returns the file."""
+    from tests.unit.test_search_cost import toy_hw
+    from torchloom.cost import calibrate
+
+    hw = toy_hw(ranks=2, device="cpu")
+    hw.matmul_flops = {"float32": [(1.0, SLOW_MATMUL)], "bfloat16": [(1.0, SLOW_MATMUL)]}
+    hw.fingerprint = calibrate.fingerprint("gloo")
+    hw.threads_per_rank = calibrate.threads_per_rank(2)
+    hw.load = {"probe_flops": 1e18, "probe_version": calibrate.PROBE_VERSION, "under_load": False}
+    hw.provisional = False
+    path = calibrate.cache_path(hw.fingerprint, 2, 1, directory / "hardware")
+    calibrate.save_cache(path, hw)
+    return path
 
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory, cache):
     out = tmp_path_factory.mktemp("smoke_full")
-    return out, smoke(out, cache)
+    calibration = tmp_path_factory.mktemp("calibration")
+    hand_calibration(calibration)
+    return out, smoke(out, cache, env={"TORCHLOOM_CACHE_DIR": str(calibration)})
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -82,6 +105,19 @@ def test_smoke_run(full_run):
     assert peak["flops"] == max(m["flops"] for m in peak["measurements"])
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     assert "held-out loss" in log and "sample:" in log and summary["sample"].splitlines()[0] in log
+    # the cost model's online check (hand-built calibration: predicts seconds per step): the prediction of the plan
+    # that ran in every record, the window's median from step 13 (3 warm-up + 10), one warning, the summary
+    pred = summary["prediction"]
+    assert pred["unavailable"] is None and pred["plan"] == "dpr2 | ddp | mb2x2" and pred["calibration"] == "quiet"
+    assert pred["band"] == 0.2 and pred["steps_measured"] == 17 and pred["predicted_step_s"] > 1.0
+    assert 0 < pred["measured_step_s"] < pred["predicted_step_s"] / 5
+    assert pred["drift"] == pytest.approx(pred["measured_step_s"] / pred["predicted_step_s"] - 1)
+    assert all(r["predicted_step_s"] == pred["predicted_step_s"] for r in train)
+    assert [r["measured_step_s"] is None for r in train] == [True] * 12 + [False] * 8
+    assert all(r["drift"] < -0.2 for r in train[12:])
+    assert f"prediction check: dpr2 | ddp | mb2x2 predicted {pred['predicted_step_s']:.2f} s per step" in log
+    assert log.count("warning: step time off the cost model") == 1 and pred["warning"] in log
+    assert "Faster than predicted" in pred["warning"] and "loom calibrate --refresh --nproc 2" in pred["warning"]
     # the output is a pipe, not a terminal: plain progress lines (smoke: 20 steps -> one a step), no tqdm bars
     # (text mode turns their "\r" redraws into newlines, so look for the bar itself: "45%|####  | 9/20 [...step/s]")
     bars = [line for line in log.splitlines() if "%|" in line or "step/s" in line]

@@ -164,12 +164,16 @@ class LogConfig:
     a terminal; when stderr is not a terminal (a log file, CI) a plain line every ``progress_every`` steps
     (null = steps / 20, at least 1) instead of ``\r``-redrawn bars. sample_ids: add the
     global sample indices each rank consumed since the previous record to it (``sample_ids``, one list per
-    rank; needs ``data.num_workers: 0``), so tests can check that no sample is skipped or repeated."""
+    rank; needs ``data.num_workers: 0``), so tests can check that no sample is skipped or repeated.
+    prediction_check: compare the measured step time with the cost model's prediction for the plan that runs
+    (``predicted_step_s``/``measured_step_s``/``drift`` in the train records, ``prediction`` in
+    ``summary.json``; one warning past the published error band; :mod:`torchloom.search.drift`)."""
 
     interval: int = 1
     progress: bool = True
     progress_every: int | None = None
     sample_ids: bool = False
+    prediction_check: bool = True
 
 
 @dataclass

@@ -273,6 +273,7 @@ class Job:
             signature = model_signature(model)  # of the unchanged model, as a rerun's check computes it
         strategy, search = self.plan_strategy(cfg, lambda: build_model(cfg.model, c.vocab_size, c.eos_id, t.seed),
                                               signature=signature)
+        analysis = self.analyze_for_check(model) if cfg.log.prediction_check and not cfg.is_auto else (None, None)
         extra = {} if search is None else {"search": search}
         self.loss_func = CausalLMLoss(cfg.model.moe.aux_loss_weight if cfg.model.is_moe else 0.0)
         self.res = torchloom.auto_accelerate(
@@ -315,11 +316,48 @@ class Job:
             raise ConfigError(f"train.global_batch={t.global_batch} is larger than the {len(self.train_ds)} "
                               "training windows: nothing to train on.")
 
+        self.drift = self.prediction_check(*analysis)
+
         # peak FLOP/s: every rank measures at once (cores are shared), the job keeps the best, with the load;
         # train() re-measures it at evaluations and checkpoints (MfuMeter keeps the highest)
         self.peak = job_peak_flops(self.device, res.compute_dtype)
         self.log(self.peak.describe())
         self.mem = PeakMemory(self.device)
+
+    # -- the cost model's online check ---------------------------------------------------------------
+    def analyze_for_check(self, model) -> tuple[Any, str | None]:
+        """``(ModelInfo, None)`` of the unchanged ``model`` for :meth:`prediction_check` (~0.5 s for the default
+        model; its own loss object, so the job's loss records nothing), or ``(None, why)``."""
+        from torch.utils.data._utils.collate import default_collate
+
+        from torchloom.search.drift import analyze_for_check
+
+        mc = self.cfg.model
+        try:
+            sample = default_collate([self.train_ds[0]])
+        except Exception as e:  # noqa: BLE001 - the check never stops training
+            return None, f"no sample for the model analysis ({type(e).__name__}: {e})"
+        loss = CausalLMLoss(mc.moe.aux_loss_weight if mc.is_moe else 0.0)
+        return analyze_for_check(model, sample, input_format="unpack_dict", loss_func=loss, seq_len=mc.seq_len)
+
+    def prediction_check(self, info=None, why_no_info: str | None = None):
+        """The :class:`~torchloom.search.drift.PredictionDrift` of the plan that runs (collective: the job's
+        calibration, ``job_hardware``): the searched plan's prediction under ``strategy: auto``, else the
+        applied strategy priced on ``info``; inactive (one line says why) when ``log.prediction_check`` is
+        false, no calibration of this machine is cached, or anything fails. Rank 0 logs it and gives its one
+        warning."""
+        from torchloom.search.drift import PredictionDrift, prediction_check
+
+        if not self.cfg.log.prediction_check:
+            return PredictionDrift.unavailable("log.prediction_check: false", emit=False)
+        t = time.perf_counter()
+        drift = prediction_check(self.res, info=info, why_no_info=why_no_info, seq_len=self.cfg.model.seq_len,
+                                 measure=False,  # a cached calibration only: the job never calibrates for it
+                                 emit=(lambda msg: self.log(f"warning: {msg}")) if self.rank == 0 else False)
+        for note in drift.notes:
+            self.log(f"  calibration: {note}")
+        self.log(f"{drift.describe()} ({time.perf_counter() - t:.1f} s)")
+        return drift
 
     def check_output_dir(self) -> None:
         """Refuse (every rank) an output dir holding a run of another model (:func:`.run_dir.check_output_dir`;
@@ -721,6 +759,7 @@ class Job:
                         dist.all_gather(gathered, stats)
                         g = torch.stack(gathered)
                         dt = float(g[:, 2].max())  # the step ends when the slowest rank ends it
+                        self.drift.observe(dt)
                         step_peaks = [int(v) for v in g[:, 1].tolist()]
                         peaks = [max(a, b) for a, b in zip(peaks, step_peaks)]
                         tok_s = self.tokens_per_step / dt
@@ -738,7 +777,7 @@ class Job:
                             "peak_mem_bytes": step_peaks, "peak_mem_source": self.mem.source,
                             **mfu, "flops_per_token": self.flops_per_token,  # mfu: the peak it divides by too
                             "world_size": self.world, "skipped": bool(ts.last_step_skipped),
-                            "t": time.time(), "attempt": self.attempt,
+                            "t": time.time(), "attempt": self.attempt, **self.drift.record(),
                         }
                         if self.expert_load is not None:
                             moe_rec = self._expert_record(float(g[:, 3].mean()))
@@ -751,6 +790,8 @@ class Job:
                             rec["sample_ids"] = ids
                         writer.write(rec)
                         self.pbar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+                    else:
+                        self.drift.observe(dt)  # this rank's time (a record's step: the slowest rank's)
                     run_tokens += self.tokens_per_step
                     run_time += dt
                     self.train_time += dt
@@ -900,7 +941,7 @@ class Job:
             "world_size": self.world, "strategy": self.strategy_used,
             "params": self.n_params, "tokens_per_step": self.tokens_per_step, "sample": sample,
             "weights": str(weights), "checkpoints": str(self.ckpt_root),
-            "restarts": self.attempt,
+            "restarts": self.attempt, "prediction": self.drift.summary(),
         }
         if self.cfg.model.is_moe:
             from .metrics import expert_shares
