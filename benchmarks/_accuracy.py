@@ -181,27 +181,6 @@ def run_auto(model: str, world: int, best: dict | None, time_limit_s: float) -> 
     return out
 
 
-# ------------------------------------------------------------------------------------ published GPU rows
-def published_rows() -> list[dict]:
-    """``loom plan``'s prediction for each published torchtitan row and its relative error: the rows,
-    hardware and strategy of ``benchmarks/plan_published.py`` (one configuration, one published number:
-    torchtitan's Llama 3.1 8B, FSDP + bf16 + selective op-level activation checkpointing ``{checkpoint:
-    {mode: selective}}``, on the H100 table entry with the published hosts' 96 GB / 2.4 TB/s put in)."""
-    import plan_published as pp
-
-    try:
-        rows = pp.run()
-    except Exception as e:  # noqa: BLE001 - the report says it failed
-        return [{"gpus": g, "tokens_per_s_per_gpu": tps, "memory_gib": gib, "error": f"{type(e).__name__}: {e}"}
-                for _, g, _, tps, gib in pp.ROWS]
-    return [{"gpus": r["gpus"], "row": r["row"], "variant": r["variant"], "hardware": r["hardware"],
-             "candidate": r["candidate"], "strategy": dict(pp.variants())[r["variant"]],
-             "tokens_per_s_per_gpu": r["published_tps_per_gpu"], "memory_gib": r["published_gib"],
-             "predicted_tokens_per_s_per_gpu": r["predicted_tps_per_gpu"], "predicted_memory_gib": r["predicted_gib"],
-             "tokens_err": r["tps_rel_error"], "memory_err": r["memory_rel_error"], "predicted_mfu": r["predicted_mfu"],
-             "predicted_memory": r["memory_gib"], "wall_s": r["wall_s"]} for r in rows]
-
-
 # ---------------------------------------------------------------------------------------------- outputs
 def plot(rows: list[dict], path: Path, subtitle: str = "") -> None:
     import matplotlib
@@ -341,26 +320,8 @@ def render(summary: dict, image: str = "images/search_accuracy.png") -> str:
             L.append(f"| {a['model']} | {a['world']} | {a['search_wall_s']:.1f} | {_code(a['chosen_label'])} "
                      f"({a['chosen_by']}) | {a['chosen_measured_s'] * 1e3:.1f} | {_code(a.get('best_label', '–'))} | "
                      f"{best_ms} | {regret} |")
-    if summary.get("published"):
-        strategy = next((r["strategy"] for r in summary["published"] if r.get("strategy")), "?")
-        L += ["", "### Published GPU results (torchtitan Llama 3.1 8B)", "",
-              "`benchmarks/plan_published.py` (the same rows, hardware and strategy): `loom plan llama3.1-8b "
-              "--gpu h100 --gpus N --gpus-per-node 8 --seq-len 8192 --global-batch 2N --micro-batch 2 "
-              f"--strategy '{strategy}'` with the published hosts' 96 GB HBM2e at 2.4 TB/s against "
-              "`pytorch/torchtitan` `benchmarks/llama3_h100_202412_torchtitan.md` (FSDP, H100 96 GB 500 W, "
-              "local batch 2, sequence 8192, selective op-level AC, bf16, no compile; our `checkpoint` "
-              "`mode=selective` keeps attention outputs and half the weight-matmul outputs, as torchtitan's op "
-              "policy does). The compute peak stays the H100 SXM datasheet's. No constant was fitted to these "
-              "rows. Target: within 20%.", "",
-              "| GPUs | published tokens/s/GPU | predicted | err | published GiB | predicted GiB | err |",
-              "|---|---|---|---|---|---|---|"]
-        for r in summary["published"]:
-            if r.get("error"):
-                L.append(f"| {r['gpus']} | {r['tokens_per_s_per_gpu']} | failed: {r['error'][:150]} | | | | |")
-                continue
-            L.append(f"| {r['gpus']} | {r['tokens_per_s_per_gpu']} | {r['predicted_tokens_per_s_per_gpu']:.0f} | "
-                     f"{r['tokens_err'] * 100:+.1f}% | {r['memory_gib']} | {r['predicted_memory_gib']:.1f} | "
-                     f"{r['memory_err'] * 100:+.1f}% |")
+    L += ["", "### Published GPU runs", "",
+          "Priced with their published plans by `benchmarks/plan_published.py`: see docs/published_runs.md."]
     for g in summary["groups"]:
         L += ["", f"### {g['model']}, {g['world']} processes", "",
               "| candidate | measured ms | predicted ms | err | measured MiB | predicted MiB | err |",
@@ -427,7 +388,7 @@ def report(models: list[str], worlds: list[int], auto: bool = True, quick: bool 
         "date_utc": min(d for d in dates if d) if any(dates) else time.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "load": ", ".join(f"{x:.1f}" for x in loads) or "unknown",
         "models": {m: {"desc": _desc(m), "global_batch": MODELS[m]["global_batch"]} for m in models},
-        "groups": groups, "overall": overall, "auto": auto_rows, "quick": quick, "published": published_rows(),
+        "groups": groups, "overall": overall, "auto": auto_rows, "quick": quick,
     }
     out_json.write_text(json.dumps(summary, indent=1, default=str))
     span = f"{min(loads):.0f}–{max(loads):.0f}" if loads else "unknown"

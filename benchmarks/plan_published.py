@@ -1,114 +1,203 @@
-"""``loom plan``'s predictions for published GPU results (a held-out check: no constant is fitted to these rows).
+"""``loom plan``'s predictions for published GPU training runs, each priced with its published plan.
 
-Rows: torchtitan's Llama 3.1 8B, FSDP, local batch 2, sequence 8192, selective activation checkpointing, bf16,
-no torch.compile, on 8 and on 128 H100 (pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``,
-Tables 1 and 3, commit b5bcd76 of the repository read on 2026-12-01):
+The rows live in ``benchmarks/published_runs.yaml`` (sources cited per row; parsed by ``benchmarks/published.py``).
+No constant of the cost model is fitted to them: another set of published runs is kept back and checked
+independently. For every row: the model (a preset or its sizes), the row's cluster (the accelerator table with
+what the row publishes about its hosts), its plan (TP/SP, PP with its schedule, CP, EP, FSDP/ZeRO/DDP, bf16/fp8,
+activation checkpointing, fused kernels for Megatron/NeMo rows) -> predicted tokens/s per GPU and peak memory,
+against the published ones.
 
-    8 H100   5,762 tokens/s per GPU   82.4 GiB
-    128 H100 5,605 tokens/s per GPU   67.0 GiB
+Published throughput: tokens/s per GPU when given; else TFLOP/s per GPU converted with the source's own FLOP
+count (``published.flops_convention``: ``megatron`` = Narayanan et al. 2021 eq. 3 with recomputation
+``96 B s l h^2 (1 + s/6h + V/16lh)``, ``megatron_no_recompute`` = the same with 72, ``6n`` = 6 x parameters,
+``palm`` = 6 N + 12 l h s, ``6n_causal`` = 6 N + 6 l h s), or MFU x the bf16 peak over the ``palm`` count.
 
-Hardware: Meta's Grand Teton hosts, 8 H100 per host on NVLink, each "96GB HBM2e with 2.4 TB/sec peak memory
-bandwidth", 400 Gb/s RDMA per GPU, 500 W power limit (the same page). Our table's ``h100-sxm`` entry is the
-80 GB HBM3 SXM part; the script uses it with the published memory size and bandwidth put in (its compute peak
-stays the SXM datasheet's: torchtitan's own note says the real peak lies between SXM and NVL and is unknown).
-
-Selective activation checkpointing (torchtitan's ``op`` policy: saves the SDPA outputs and every other matmul
-output, recomputes the rest) is ``{"checkpoint": {"mode": "selective"}}``. Should the method's config lose its
-``mode`` field, the script prints the two bounds the cost model can represent instead: no checkpointing (least
-recompute, most memory) and checkpointing every block (most recompute, least memory).
-
-Run:  .venv/bin/python benchmarks/plan_published.py [--json]
+Run:  .venv/bin/python benchmarks/plan_published.py [--json] [--only ID,...] [--search ID,...]
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import math
+import statistics
 import sys
 import time
+from pathlib import Path
 
-GiB = 1024.0 ** 3
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-#: (label, gpus, global batch, published tokens/s per GPU, published GiB)
-ROWS = [
-    ("torchtitan Table 1: 8 x H100", 8, 16, 5762.0, 82.4),
-    ("torchtitan Table 3: 128 x H100", 128, 256, 5605.0, 67.0),
-]
-MODEL, SEQ, LOCAL_BATCH, GPUS_PER_NODE = "llama3.1-8b", 8192, 2, 8
-#: the published hosts' H100: memory size and bandwidth from the benchmark page (not fitted)
-PUBLISHED_HBM_BYTES, PUBLISHED_HBM_BW = 96e9, 2.4e12
+from benchmarks.published import GiB, PublishedRun, candidate, hardware, load_runs, model_config  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "plan_published.json"
+_ANALYSES: dict = {}
 
 
-def selective_supported() -> bool:
-    """True when the ``checkpoint`` method's config has a ``mode`` field (``{"mode": "selective"}``)."""
-    from torchloom.methods.activation_checkpoint import CheckpointConfig
+def analyse(run: PublishedRun):
+    """The model's analysis at the row's sequence length, attention traced as a GPU flash kernel (memoised)."""
+    from torchloom.cost import analysis
+    from torchloom.cost.presets import resolve_model
 
-    return "mode" in {f.name for f in dataclasses.fields(CheckpointConfig)}
-
-
-def variants() -> list[tuple[str, str]]:
-    """(name, --strategy value) per activation-checkpointing representation evaluated."""
-    base = '{fsdp: {}}, {amp: {dtype: bfloat16}}'
-    if selective_supported():
-        return [("selective AC", f"[{base}, {{checkpoint: {{mode: selective}}}}]")]
-    return [("no AC (bound)", f"[{base}]"), ("full AC (bound)", f"[{base}, checkpoint]")]
-
-
-def hardware(gpus: int):
-    from torchloom.cost.cluster import cluster_hardware, cluster_spec
-
-    spec = cluster_spec(gpu="h100", gpus=gpus, gpus_per_node=GPUS_PER_NODE)
-    hw = cluster_hardware(spec)
-    sources = dict(hw.sources, memory_bytes="torchtitan benchmarks/llama3_h100_202412_torchtitan.md (96GB HBM2e)",
-                   mem_bw="torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2.4 TB/s)")
-    return dataclasses.replace(hw, name=hw.name + "-96gb-hbm2e", memory_bytes=PUBLISHED_HBM_BYTES,
-                               mem_bw=PUBLISHED_HBM_BW, sources=sources)
+    cfg = model_config(run)
+    seq = int(run.batch["seq_len"])
+    key = (json.dumps(cfg, sort_keys=True), seq)
+    if key not in _ANALYSES:
+        if isinstance(cfg, str):
+            _ANALYSES[key] = resolve_model(cfg).analyze(seq, attention="flash")
+        else:
+            _ANALYSES[key] = analysis.analyze_config(dict(cfg), seq_len=seq, name=run.model.get("name"),
+                                                     attention="flash")
+    return _ANALYSES[key]
 
 
-def run() -> list[dict]:
+def source_flops_per_token(run: PublishedRun, info) -> float | None:
+    """FLOPs per token under the source's convention (see the module docstring), or None when unknown."""
+    conv = (run.published.get("flops_convention") or "").lower()
+    m, seq = run.model, int(run.batch["seq_len"])
+    layers = int(m.get("layers") or info.dims.get("num_layers") or 0)
+    h = int(m.get("hidden") or info.dims.get("hidden_size") or 0)
+    vocab = int(m.get("vocab") or info.dims.get("vocab_size") or 0)
+    n = float(m.get("active_params_b") or m.get("params_b") or 0) * 1e9 or float(info.n_params)
+    if conv in ("megatron", "megatron_no_recompute"):
+        k = 96 if conv == "megatron" else 72
+        return k * layers * h * h * (1 + seq / (6 * h) + vocab / (16 * layers * h))
+    if conv == "6n":
+        return 6 * n
+    if conv == "palm":
+        return 6 * n + 12 * layers * h * seq
+    if conv == "6n_causal":
+        return 6 * n + 6 * layers * h * seq
+    return None
+
+
+def published_tps(run: PublishedRun, info, peak_bf16: float) -> tuple[float | None, str]:
+    """(published tokens/s per GPU, how it was obtained)."""
+    if run.published_tps:
+        return run.published_tps, "tokens/s"
+    tfl = run.published.get("tflops_per_gpu")
+    fpt = source_flops_per_token(run, info)
+    if tfl and fpt:
+        return float(tfl) * 1e12 / fpt, f"TFLOP/s ({run.published.get('flops_convention')})"
+    mfu = run.published.get("mfu")
+    if mfu:
+        m = run.model
+        n = float(m.get("active_params_b") or m.get("params_b") or 0) * 1e9 or float(info.n_params)
+        layers, h = info.dims.get("num_layers", 0), info.dims.get("hidden_size", 0)
+        palm = 6 * n + 12 * layers * h * int(run.batch["seq_len"])
+        return float(mfu) * peak_bf16 / palm, "MFU (palm count)"
+    return None, "no convention to convert its TFLOP/s"
+
+
+def price(run: PublishedRun) -> dict:
+    from torchloom.search.pricing import predict
+
+    t0 = time.perf_counter()
+    info = analyse(run)
+    hw = hardware(run)
+    cand = candidate(run)
+    p = predict(cand, info, hw)
+    pub, how = published_tps(run, info, hw.peak_flops.get("bfloat16", 0.0))
+    pred = p.tokens_per_s_per_device
+    gib = run.published.get("memory_gib")
+    return {
+        "id": run.id, "source": run.source.get("name"), "gpu": run.hardware["gpu"], "gpus": run.gpus,
+        "model": run.model.get("name"), "plan": cand.label(), "seq_len": cand.seq_len,
+        "published_tps_per_gpu": pub, "published_from": how, "predicted_tps_per_gpu": pred,
+        "tps_rel_error": pred / pub - 1.0 if pub else None,
+        "published_gib": gib, "predicted_gib": p.peak_memory_bytes / GiB,
+        "memory_rel_error": p.peak_memory_bytes / GiB / float(gib) - 1.0 if gib else None,
+        "fits": p.fits, "memory_limit_gib": p.memory_limit_bytes / GiB,
+        "predicted_mfu": p.mfu, "predicted_hfu": p.hfu, "step_time_s": p.step_time_s,
+        "time": p.time, "memory_gib": {k: v / GiB for k, v in p.memory.items()}, "notes": p.notes,
+        "kernels": "fused" if run.fused else "eager", "attention_kernel": hw.attention_kernel,
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def search_best(run: PublishedRun) -> dict:
+    """The planner's own best plan for the row's cluster, batch and sequence (bf16, the default kernels)."""
     from torchloom.search.plan_cli import plan
 
-    out = []
-    for label, gpus, gb, tps, gib in ROWS:
-        hw = hardware(gpus)
-        for vname, strategy in variants():
-            t0 = time.perf_counter()
-            rep = plan(MODEL, gpu="h100", gpus=gpus, gpus_per_node=GPUS_PER_NODE, seq_len=SEQ, global_batch=gb,
-                       micro_batch=LOCAL_BATCH, strategy=strategy, hardware=hw)
-            p = rep.rows[0].prediction
-            out.append({"row": label, "variant": vname, "gpus": gpus, "hardware": hw.name,
-                        "candidate": rep.rows[0].candidate.label(),
-                        "published_tps_per_gpu": tps, "predicted_tps_per_gpu": p.tokens_per_s_per_device,
-                        "tps_rel_error": p.tokens_per_s_per_device / tps - 1.0,
-                        "published_gib": gib, "predicted_gib": p.peak_memory_bytes / GiB,
-                        "memory_rel_error": p.peak_memory_bytes / GiB / gib - 1.0,
-                        "predicted_mfu": p.mfu, "peak_flops": p.peak_flops, "step_time_s": p.step_time_s,
-                        "time": p.time, "memory_gib": {k: v / GiB for k, v in p.memory.items()},
-                        "wall_s": time.perf_counter() - t0})
-    return out
+    name = model_config(run)
+    if not isinstance(name, str):
+        return {"id": run.id, "skipped": "not a preset"}
+    rep = plan(name, gpu=str(run.hardware["gpu"]), gpus=run.gpus,
+               gpus_per_node=int(run.hardware.get("gpus_per_node") or 8), seq_len=int(run.batch["seq_len"]),
+               global_batch=int(run.batch["global_batch"]))
+    best = rep.rows[0]
+    return {"id": run.id, "best": best.candidate.label(), "best_tps_per_gpu": best.prediction.tokens_per_s_per_device,
+            "search_s": rep.elapsed_s if hasattr(rep, "elapsed_s") else None}
+
+
+def summary(rows: list[dict]) -> dict:
+    errs = [abs(r["tps_rel_error"]) for r in rows if r["tps_rel_error"] is not None]
+    mems = [abs(r["memory_rel_error"]) for r in rows if r["memory_rel_error"] is not None]
+    return {
+        "rows": len(rows), "rows_with_throughput": len(errs),
+        "median_abs_tps_error": statistics.median(errs) if errs else None,
+        "mean_abs_tps_error": statistics.fmean(errs) if errs else None,
+        "max_abs_tps_error": max(errs) if errs else None,
+        "within_10pct": sum(e <= 0.10 for e in errs), "within_20pct": sum(e <= 0.20 for e in errs),
+        "signed_median_tps_error": statistics.median([r["tps_rel_error"] for r in rows
+                                                      if r["tps_rel_error"] is not None]) if errs else None,
+        "memory_rows": len(mems), "median_abs_memory_error": statistics.median(mems) if mems else None,
+        "max_abs_memory_error": max(mems) if mems else None,
+        "published_plans_predicted_not_to_fit": [r["id"] for r in rows if not r["fits"]],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--json", action="store_true", help="print the rows and the summary as JSON")
+    ap.add_argument("--only", help="comma-separated row ids")
+    ap.add_argument("--search", default="", help="comma-separated row ids to also search the planner's best plan for")
+    ap.add_argument("--write", action="store_true", help="write benchmarks/results/plan_published.json")
     args = ap.parse_args(argv)
-    rows = run()
+    runs = load_runs()
+    if args.only:
+        want = set(args.only.split(","))
+        runs = [r for r in runs if r.id in want]
+    rows = []
+    for run in runs:
+        try:
+            rows.append(price(run))
+        except Exception as e:  # noqa: BLE001  (a row the planner cannot price is reported, never skipped silently)
+            rows.append({"id": run.id, "error": f"{type(e).__name__}: {e}", "tps_rel_error": None,
+                         "memory_rel_error": None, "fits": True})
+    searched = [search_best(r) for r in runs if r.id in set(filter(None, args.search.split(",")))]
+    out = {"rows": rows, "summary": summary([r for r in rows if "error" not in r]), "search": searched,
+           "errors": [r for r in rows if "error" in r]}
+    if args.write:
+        RESULTS.write_text(json.dumps(out, indent=1, default=str) + "\n")
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps(out, indent=1, default=str))
         return 0
-    print(f"{MODEL}, seq {SEQ}, local batch {LOCAL_BATCH}, FSDP + bf16; hardware {rows[0]['hardware']}")
-    head = (f"{'published row':<32} {'AC':<16} {'tok/s/GPU pub':>13} {'pred':>7} {'err':>7}   "
-            f"{'GiB pub':>7} {'pred':>6} {'err':>7}  {'MFU':>5}")
+    head = (f"{'id':<34} {'gpu':<9} {'gpus':>6} {'tok/s/GPU pub':>13} {'pred':>8} {'err':>7}   {'GiB pub':>7} "
+            f"{'pred':>6} {'err':>7} {'MFU':>5}  plan")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['row']:<32} {r['variant']:<16} {r['published_tps_per_gpu']:13,.0f} "
-              f"{r['predicted_tps_per_gpu']:7,.0f} {r['tps_rel_error'] * 100:+6.1f}%   {r['published_gib']:7.1f} "
-              f"{r['predicted_gib']:6.1f} {r['memory_rel_error'] * 100:+6.1f}%  {r['predicted_mfu'] * 100:4.1f}%")
-    print("\ntarget: within 20% (issue 7). Time parts of the first row's first variant (s):")
-    for k, v in sorted(rows[0]["time"].items(), key=lambda kv: -kv[1]):
-        print(f"  {k:<36} {v:8.4f}")
-    print("memory parts (GiB): " + ", ".join(f"{k} {v:.1f}" for k, v in rows[0]["memory_gib"].items()))
+        if "error" in r:
+            print(f"{r['id']:<34} cannot price: {r['error']}")
+            continue
+        pub = f"{r['published_tps_per_gpu']:13,.0f}" if r["published_tps_per_gpu"] else f"{'-':>13}"
+        err = f"{r['tps_rel_error'] * 100:+6.1f}%" if r["tps_rel_error"] is not None else f"{'-':>7}"
+        gib = f"{r['published_gib']:7.1f}" if r["published_gib"] else f"{'-':>7}"
+        merr = f"{r['memory_rel_error'] * 100:+6.1f}%" if r["memory_rel_error"] is not None else f"{'-':>7}"
+        fit = "" if r["fits"] else " DOES NOT FIT"
+        print(f"{r['id']:<34} {r['gpu']:<9} {r['gpus']:>6} {pub} {r['predicted_tps_per_gpu']:8,.0f} {err}   {gib} "
+              f"{r['predicted_gib']:6.1f} {merr} {r['predicted_mfu'] * 100:4.1f}%  {r['plan']}{fit}")
+    s = out["summary"]
+    print()
+    if s["median_abs_tps_error"] is not None:
+        print(f"throughput: {s['rows_with_throughput']} rows, median |error| {s['median_abs_tps_error']:.1%}, mean "
+              f"{s['mean_abs_tps_error']:.1%}, max {s['max_abs_tps_error']:.1%}, signed median "
+              f"{s['signed_median_tps_error']:+.1%}; within 10%: {s['within_10pct']}, within 20%: {s['within_20pct']}")
+    if s["median_abs_memory_error"] is not None:
+        print(f"memory: {s['memory_rows']} rows, median |error| {s['median_abs_memory_error']:.1%}, max "
+              f"{s['max_abs_memory_error']:.1%}")
+    print(f"published plans predicted not to fit: {s['published_plans_predicted_not_to_fit'] or 'none'}")
+    for b in searched:
+        print(f"search {b['id']}: {b.get('best', b.get('skipped'))} {b.get('best_tps_per_gpu', '')}")
     return 0
 
 
