@@ -118,6 +118,9 @@ class PlanReport:
         seq_len / global_batch: what the plan is for (tokens per sample, samples per optimizer step).
         rows: evaluated candidates, best first (every one that fits, or the one ``--strategy`` gave).
         evaluated: how many candidates the search predicted (after ``validate`` pruning), for the summary.
+        skipped: candidates the search did not price because their throughput bound was below the ``keep``
+            best (``plan(keep=...)``; ``loom plan`` keeps ``--top``): then ``rows`` are exact down to ``keep``
+            and partial below.
         mode: ``"search"`` or ``"strategy"``.
         wall_s: seconds spent (analysis + search).
         notes: assumptions (guessed sequence length, default global batch, ...).
@@ -136,6 +139,7 @@ class PlanReport:
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     experts: ExpertsInfo | None = None
+    skipped: int = 0
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         rows = self.rows if top is None else self.rows[:top]
@@ -148,7 +152,8 @@ class PlanReport:
                         "local": self.cluster.local, "hardware": hw.name, "memory_bytes": hw.memory_bytes,
                         "peak_flops": dict(hw.peak_flops)},
             "seq_len": self.seq_len, "global_batch": self.global_batch, "mode": self.mode, "fits": self.fits,
-            "evaluated": self.evaluated, "wall_s": round(self.wall_s, 3), "notes": list(self.notes),
+            "evaluated": self.evaluated, **({"skipped": self.skipped} if self.skipped else {}),
+            "wall_s": round(self.wall_s, 3), "notes": list(self.notes),
             "candidates": [r.to_dict() for r in rows],
         }
 
@@ -165,7 +170,7 @@ def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_pe
          global_batch: int | None = None, micro_batch: int | None = None, strategy: str | None = None,
          search_options: dict[str, Any] | None = None, hardware: Hardware | None = None,
          sample: str | None = None, input_format: str | None = None,
-         progress: Progress | None = None) -> PlanReport:
+         progress: Progress | None = None, keep: int | None = None) -> PlanReport:
     """Plan ``model`` on a cluster (the arguments of :func:`~torchloom.cost.cluster.cluster_spec`).
 
     Args:
@@ -181,6 +186,8 @@ def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_pe
         sample / input_format: for a factory model: ``pkg.module:fn`` returning one micro-batch-1 batch, and
             how it is passed (:func:`~torchloom.cost.presets.resolve_model`).
         progress: told each phase (:class:`Progress`: ``loom plan`` says on stderr what a long plan does).
+        keep: only the best ``keep`` rows are needed: the search skips candidates that provably rank below
+            them (``search(keep=...)``; ``report.skipped`` counts them). None: every candidate is priced.
 
     Raises:
         TorchloomError: a bad model, cluster or strategy (the message names it), a size above the sanity
@@ -209,15 +216,17 @@ def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_pe
         say(f"evaluating the strategy on {cl.gpus:,} ranks")
         cand = strategy_candidate(strategy, info, cl.gpus, global_batch, seq, micro_batch)
         rows = [PlanRow(1, cand, _predict(cand, info, hw))]
-        evaluated, mode = 1, "strategy"
+        evaluated, mode, skipped = 1, "strategy", 0
     else:
         say(f"searching the plans for {cl.gpus:,} ranks")
-        rows, evaluated, search_notes = search_rows(info, hw, cl.gpus, global_batch, seq, micro_batch,
-                                                    search_options or {}, progress=say)
+        result = _search(info, hw, cl.gpus, global_batch, seq, micro_batch, search_options or {}, progress=say,
+                         keep=keep)
+        rows = _rows(result)
+        evaluated, search_notes, skipped = len(result.evaluated), list(result.notes), result.skipped
         notes += [n for n in search_notes if not n.startswith("search: ")]
         mode = "search"
     return PlanReport(spec, info.n_params, cl, hw, seq, global_batch, rows, evaluated, mode,
-                      time.perf_counter() - t0, notes, experts=info.experts)
+                      time.perf_counter() - t0, notes, experts=info.experts, skipped=skipped)
 
 
 def check_sizes(*, gpus: int | None = None, gpus_per_node: int | None = None, nproc: int | None = None,
@@ -264,6 +273,14 @@ def search_rows(info, hw: Hardware, world: int, global_batch: int, seq_len: int,
         NoFit: no candidate fits (the search's message: how much the smallest overflows, what would fit).
         StrategyError: bad search options.
     """
+    result = _search(info, hw, world, global_batch, seq_len, micro_batch, options, progress)
+    return _rows(result), len(result.evaluated), list(result.notes)
+
+
+def _search(info, hw: Hardware, world: int, global_batch: int, seq_len: int, micro_batch: int | None,
+            options: dict[str, Any], progress=None, keep: int | None = None):
+    """:func:`search_rows`'s search: the :class:`~torchloom.search.result.SearchResult` (``keep`` as in
+    :func:`plan`)."""
     from .search import search
 
     opts = dict(options)
@@ -271,14 +288,16 @@ def search_rows(info, hw: Hardware, world: int, global_batch: int, seq_len: int,
     if micro_batch is not None:
         opts["fixed"] = {**opts.get("fixed", {}), "micro_batch": micro_batch}
     try:
-        result = search(world_size=world, global_batch=global_batch, hw=hw, info=info, seq_len=seq_len,
-                        options=opts, progress=progress)
+        return search(world_size=world, global_batch=global_batch, hw=hw, info=info, seq_len=seq_len,
+                      options=opts, progress=progress, keep=keep)
     except StrategyError as e:
         if "fits no candidate" in str(e):
             raise NoFit(str(e)) from e
         raise
-    rows = [PlanRow(i + 1, e.candidate, e.prediction) for i, e in enumerate(result.ranked)]
-    return rows, len(result.evaluated), list(result.notes)
+
+
+def _rows(result) -> list[PlanRow]:
+    return [PlanRow(i + 1, e.candidate, e.prediction) for i, e in enumerate(result.ranked)]
 
 
 def _predict(cand: Candidate, info, hw: Hardware) -> Prediction:
@@ -368,7 +387,8 @@ def run_command(model: str, *, gpu=None, gpus=None, gpus_per_node=None, local=Fa
         with Progress() as progress:
             report = plan(model, gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, local=local, nproc=nproc,
                           seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, strategy=strategy,
-                          search_options=options, sample=sample, input_format=input_format, progress=progress)
+                          search_options=options, sample=sample, input_format=input_format, progress=progress,
+                          keep=max(top, explain or 0, 1))  # rows beyond --top / --explain need not be exact
         if explain is not None:
             explain_row(report, explain)
     except NoFit as e:
@@ -446,7 +466,9 @@ def render_table(report: PlanReport, top: int = 10) -> str:
                         f"token" + (f"; ep (expert parallel) searched over divisors of dp and {ex.num_experts}"
                                     if report.mode == "search" else ""))
     if report.mode == "search":
-        lines.append(f"searched {report.evaluated:,} candidates in {report.wall_s:.2f} s; "
+        skipped = (f" ({report.skipped:,} more skipped: their throughput bound is below the best shown)"
+                   if report.skipped else "")
+        lines.append(f"searched {report.evaluated:,} candidates in {report.wall_s:.2f} s{skipped}; "
                      f"{len(report.rows):,} fit; best {min(top, len(report.rows))} shown (--top)")
     lines += [f"note     {n}" for n in report.notes]
     width = max([9, *(len(r.candidate.label()) for r in report.rows[:top])])

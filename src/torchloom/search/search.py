@@ -7,6 +7,7 @@ their results (``runner.run_trials``), so every rank chooses the same plan witho
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import math
 import re
@@ -39,7 +40,8 @@ FULL_CHECKS = 64
 def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_size: int, global_batch: int,
            hw: Hardware, info: ModelInfo | None = None, seq_len: int | None = None,
            options: SearchOptions | dict | None = None, runner: Runner | None = None,
-           predict: Predictor | None = None, progress: Callable[[str], None] | None = None) -> SearchResult:
+           predict: Predictor | None = None, progress: Callable[[str], None] | None = None,
+           keep: int | None = None) -> SearchResult:
     """Find the fastest plan for ``model`` on ``world_size`` ranks of ``hw`` at ``global_batch`` samples
     (of ``seq_len`` tokens) per optimizer step.
 
@@ -60,6 +62,11 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
         predict: the cost model (default :func:`torchloom.search.pricing.predict`).
         progress: ``progress(phase)`` is told what the search is doing, every few hundred candidates (``loom
             plan`` prints it when a plan runs long).
+        keep: only the best ``keep`` ranked plans are needed (``loom plan``'s ``--top``): candidates whose
+            throughput bound (:class:`~torchloom.search.bounds.StepBound`) is below the ``keep``-th best fitting
+            plan found so far are skipped without a prediction (counted in ``result.skipped``). The first
+            ``keep`` rows of ``result.ranked`` are the same as without it; below them the ranking is partial,
+            and ``result.evaluated`` holds only what was priced. None (default): every candidate is priced.
 
     Returns:
         a :class:`SearchResult`.
@@ -87,10 +94,11 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
     _count_pruned(result, space)
     # the hooks' architecture-size checks for every candidate; the model-structure checks in rank order below
     light = dataclasses.replace(info, module=None) if info.module is not None else info
-    _predict_all(space, info, light, hw, predict, usable, seq_len, options, result, say)
+    prune = _Pruner(keep, info, hw) if keep is not None and keep > 0 else None
+    _predict_all(space, info, light, hw, predict, usable, seq_len, options, result, say, prune)
     if not result.ranked and hw.device_type != "cpu" and "cpu_offload" not in options.exclude:
         offload = enumerate_space(info, world_size, global_batch, options, ranks_per_node=ranks_per_node, offload=True)
-        _predict_all(offload, info, light, hw, predict, usable, seq_len, options, result, say)
+        _predict_all(offload, info, light, hw, predict, usable, seq_len, options, result, say, prune)
         if result.ranked:
             result.notes.append("nothing fits in device memory without CPU offload: ranked the fsdp cpu_offload "
                                 "candidates")
@@ -102,7 +110,13 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
     result.ranked.sort(key=lambda e: (-e.prediction.tokens_per_s, e.candidate.key()))
     if light is not info:
         say(f"checking the model structure of the best of {len(result.ranked):,} candidates that fit")
-        _check_structure(result, info, max(FULL_CHECKS, options.top_k))
+        _check_structure_exact(result, info, max(FULL_CHECKS, options.top_k), prune,
+                               lambda: _predict_skipped(prune, info, light, hw, predict, usable, seq_len, options,
+                                                        result, say))
+    elif prune is not None and not prune.exact(result.ranked):
+        _predict_skipped(prune, info, light, hw, predict, usable, seq_len, options, result, say)
+        result.ranked.sort(key=lambda e: (-e.prediction.tokens_per_s, e.candidate.key()))
+    result.skipped = prune.skipped_count if prune is not None else 0  # type: ignore[attr-defined]
     if not result.ranked:  # every candidate that fit memory failed the model-structure checks
         raise StrategyError(_no_valid_message(result, world_size, options, space))
     batch = _batch_note(result, space)
@@ -143,10 +157,12 @@ def _reason_kind(why: str) -> str:
 
 
 def _predict_all(space: Space, info, check_info, hw, predict, usable: float, seq_len: int, options, result,
-                 say=lambda phase: None) -> None:
+                 say=lambda phase: None, prune: "_Pruner | None" = None) -> None:
     """Per base: ``check`` (against ``check_info``), then the least checkpointing that fits: the levels run
     from none to every block and the predicted peak does not grow along them, so: none (fits: done), every
-    block (does not fit: nothing will), then a bisection between (at most ~log2(levels) more predictions)."""
+    block (does not fit: nothing will), then a bisection between (at most ~log2(levels) more predictions).
+    With ``prune``: bases whose throughput bound cannot reach the ``keep`` best found so far are skipped
+    (kept in ``prune.skipped``; priced after all if the bound is ever seen to fail)."""
     levels = ac_levels(info, options)
     hopeless: set[str] = set()  # groups where a smaller micro-batch already fit at no checkpointing level
     for i_base, base in enumerate(space.bases):
@@ -158,38 +174,121 @@ def _predict_all(space: Space, info, check_info, hw, predict, usable: float, seq
             continue
         base = base if base.seq_len == seq_len else Candidate(base.dims, base.methods, base.micro_batch,
                                                               base.grad_accum, seq_len)
-        why = check(base, check_info)
-        if why:
-            _reject(result, why, mesh_label(base.dims))
+        if prune is not None and prune.skip(base):
             continue
-        probed: dict[int, Evaluated | None] = {}
-
-        def probe(i: int) -> Evaluated | None:
-            """Evaluated for level ``i`` (None: rejected by a check or an estimate hook)."""
-            if i not in probed:
-                probed[i] = _evaluate(with_extra(base, None if levels[i] is None else ("checkpoint", levels[i])),
-                                      levels[i] is not None, info, check_info, hw, predict, usable, result)
-            return probed[i]
-
-        first = probe(0)
-        if first is None:
-            continue
-        if first.fits:
-            result.ranked.append(first)
-            continue
-        last = probe(len(levels) - 1) if len(levels) > 1 else first
-        if last is None or not last.fits:
+        if _predict_base(base, levels, info, check_info, hw, predict, usable, result, prune) == "hopeless":
             hopeless.add(group)
+    if prune is not None and not prune.on and prune.skipped:
+        _predict_skipped(prune, info, check_info, hw, predict, usable, seq_len, options, result, say)
+
+
+def _predict_base(base, levels, info, check_info, hw, predict, usable, result, prune=None) -> str | None:
+    """One base's ``check`` and checkpointing bisection (:func:`_predict_all`); the fitting level joins
+    ``result.ranked``. Returns ``"hopeless"`` when no level fits."""
+    why = check(base, check_info)
+    if why:
+        _reject(result, why, mesh_label(base.dims))
+        return None
+    probed: dict[int, Evaluated | None] = {}
+
+    def probe(i: int) -> Evaluated | None:
+        """Evaluated for level ``i`` (None: rejected by a check or an estimate hook)."""
+        if i not in probed:
+            probed[i] = _evaluate(with_extra(base, None if levels[i] is None else ("checkpoint", levels[i])),
+                                  levels[i] is not None, info, check_info, hw, predict, usable, result, prune)
+        return probed[i]
+
+    def rank(ev: Evaluated) -> None:
+        result.ranked.append(ev)
+        if prune is not None:
+            prune.add(ev)
+
+    first = probe(0)
+    if first is None:
+        return None
+    if first.fits:
+        rank(first)
+        return None
+    last = probe(len(levels) - 1) if len(levels) > 1 else first
+    if last is None or not last.fits:
+        return "hopeless"
+    lo, hi = 0, len(levels) - 1  # lo does not fit, hi fits
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ev = probe(mid)
+        if ev is not None and ev.fits:
+            hi = mid
+        else:
+            lo = mid
+    rank(probed[hi])  # type: ignore[arg-type]
+    return None
+
+
+def _predict_skipped(prune: "_Pruner | None", info, check_info, hw, predict, usable, seq_len, options, result,
+                     say=lambda phase: None) -> None:
+    """Price the bases ``prune`` skipped (the bound failed on a priced candidate, or the model-structure
+    checks removed too many of the best), in their enumeration order, with no more skipping."""
+    if prune is None or not prune.skipped:
+        return
+    prune.on = False
+    todo, prune.skipped = prune.skipped, []
+    say(f"pricing the {len(todo):,} candidates skipped by the throughput bound")
+    levels = ac_levels(info, options)
+    hopeless: set[str] = set()
+    for base in todo:
+        group = _group_key(base)
+        if group in hopeless:
             continue
-        lo, hi = 0, len(levels) - 1  # lo does not fit, hi fits
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            ev = probe(mid)
-            if ev is not None and ev.fits:
-                hi = mid
-            else:
-                lo = mid
-        result.ranked.append(probed[hi])
+        if _predict_base(base, levels, info, check_info, hw, predict, usable, result) == "hopeless":
+            hopeless.add(group)
+
+
+class _Pruner:
+    """The search's ``keep`` bound (:class:`~torchloom.search.bounds.StepBound`): a min-heap of the best
+    ``keep`` fitting throughputs seen; a base is skipped when its throughput bound is below the heap's
+    smallest (``used``: the largest threshold any skip used). Every priced candidate checks the bound; one
+    failure turns skipping off (``on``)."""
+
+    def __init__(self, keep: int, info, hw):
+        from .bounds import StepBound
+
+        self.keep, self.bound, self.on = keep, StepBound(info, hw), True
+        self.best: list[float] = []
+        self.skipped: list[Candidate] = []
+        self.skipped_count = 0
+        self.used = 0.0
+
+    def skip(self, base: Candidate) -> bool:
+        if not self.on or len(self.best) < self.keep:
+            return False
+        t = self.best[0]
+        if self.bound.tokens_per_s(base) < t:
+            self.skipped.append(base)
+            self.skipped_count += 1
+            self.used = max(self.used, t)
+            return True
+        return False
+
+    def add(self, ev: Evaluated) -> None:
+        tps = ev.prediction.tokens_per_s
+        if len(self.best) < self.keep:
+            heapq.heappush(self.best, tps)
+        elif tps > self.best[0]:
+            heapq.heapreplace(self.best, tps)
+
+    def observe(self, ev: Evaluated) -> None:
+        if self.on and not self.bound.holds(ev.candidate, ev.prediction.step_time_s):
+            log.warning("search: the throughput bound failed on %s (predicted %.6g s < bound %.6g s); pricing "
+                        "every candidate", ev.candidate.label(), ev.prediction.step_time_s,
+                        self.bound.seconds(ev.candidate))
+            self.on = False
+
+    def exact(self, ranked: list[Evaluated]) -> bool:
+        """Whether the first ``keep`` of ``ranked`` are what pricing everything gives: nothing was skipped, or
+        the ``keep``-th is at least the threshold every skipped candidate fell below."""
+        if not self.skipped_count or not self.skipped:
+            return True
+        return len(ranked) >= self.keep and ranked[self.keep - 1].prediction.tokens_per_s >= self.used
 
 
 _AC_CHECKED: dict[str, str | None] = {}
@@ -207,7 +306,7 @@ def _ac_check(cand: Candidate, check_info: ModelInfo) -> str | None:
     return _AC_CHECKED[key]
 
 
-def _evaluate(cand, checked: bool, info, check_info, hw, predict, usable, result) -> Evaluated | None:
+def _evaluate(cand, checked: bool, info, check_info, hw, predict, usable, result, prune=None) -> Evaluated | None:
     if checked:
         why = _ac_check(cand, check_info)
         if why:
@@ -220,6 +319,8 @@ def _evaluate(cand, checked: bool, info, check_info, hw, predict, usable, result
         return None
     ev = Evaluated(cand, pred, pred.peak_memory_bytes <= usable)
     result.evaluated.append(ev)
+    if prune is not None:
+        prune.observe(ev)
     return ev
 
 
@@ -241,6 +342,26 @@ def _check_structure(result: SearchResult, info: ModelInfo, keep: int) -> None:
         kept += 1
         out.append(e)
     result.ranked = out
+
+
+def _check_structure_exact(result: SearchResult, info: ModelInfo, keep: int, prune: "_Pruner | None",
+                           reprice: Callable[[], None]) -> None:
+    """:func:`_check_structure`; when the checks removed so many of the best that the bound's skips may hide
+    one of the ``prune.keep`` best, undo them, price the skipped bases and check again."""
+    if prune is None or not prune.skipped:
+        _check_structure(result, info, keep)
+        return
+    saved = (list(result.ranked), dict(result.pruned_reasons), result.pruned_count, dict(result.pruned_examples),
+             {k: set(v) for k, v in result.pruned_layouts.items()})
+    _check_structure(result, info, keep)
+    if prune.exact(result.ranked):
+        return
+    result.ranked, result.pruned_reasons, result.pruned_count, result.pruned_examples, result.pruned_layouts = saved
+    for e in result.ranked:
+        e.validated = True
+    reprice()
+    result.ranked.sort(key=lambda e: (-e.prediction.tokens_per_s, e.candidate.key()))
+    _check_structure(result, info, keep)
 
 
 def _group_key(c: Candidate) -> str:
