@@ -367,7 +367,7 @@ def _check_structure_exact(result: SearchResult, info: ModelInfo, keep: int, pru
 def _group_key(c: Candidate) -> str:
     """Candidates that differ only in the batch split (micro-batch, accumulation / pipeline micro-batches)."""
     methods = [[n, {k: v for k, v in cfg.items() if k != "num_microbatches"}] for n, cfg in c.methods]
-    return repr((sorted(c.dims.as_dict().items()), methods))
+    return repr((c.dims, methods))  # the dataclass's repr names every degree (as_dict deep-copies: slow)
 
 
 def _reject(result: SearchResult, why: str, layout: str = "") -> None:

@@ -365,7 +365,7 @@ def check(cand: Candidate, info: ModelInfo) -> str | None:
                for n, c in cand.methods]
     model = info.signature or [info.name, info.n_params, info.num_blocks, info.block_classes, info.dims]
     key = json.dumps([model, info.module is not None, id(info.module) if not info.signature else 0,
-                      cand.dims.as_dict(), methods], sort_keys=True, default=str)
+                      repr(cand.dims), methods], sort_keys=True, default=str)  # repr: every degree, no deep copy
     if key in _CHECKED:
         return _CHECKED[key]
     rep = Candidate(cand.dims, tuple((n, dict(c)) for n, c in methods), cand.micro_batch, cand.grad_accum,
