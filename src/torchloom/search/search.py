@@ -65,8 +65,10 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
         keep: only the best ``keep`` ranked plans are needed (``loom plan``'s ``--top``): candidates whose
             throughput bound (:class:`~torchloom.search.bounds.StepBound`) is below the ``keep``-th best fitting
             plan found so far are skipped without a prediction (counted in ``result.skipped``). The first
-            ``keep`` rows of ``result.ranked`` are the same as without it; below them the ranking is partial,
-            and ``result.evaluated`` holds only what was priced. None (default): every candidate is priced.
+            ``keep`` rows of ``result.ranked`` are the same as without it; below them the ranking is partial
+            (and the model-structure checks stop after ``max(min(keep, FULL_CHECKS), top_k)`` passed instead
+            of ``max(FULL_CHECKS, top_k)``), and ``result.evaluated`` holds only what was priced. None (default): every
+            candidate is priced.
 
     Returns:
         a :class:`SearchResult`.
@@ -110,7 +112,9 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
     result.ranked.sort(key=lambda e: (-e.prediction.tokens_per_s, e.candidate.key()))
     if light is not info:
         say(f"checking the model structure of the best of {len(result.ranked):,} candidates that fit")
-        _check_structure_exact(result, info, max(FULL_CHECKS, options.top_k), prune,
+        # only the best ``keep`` are needed: checking past them (up to FULL_CHECKS) would not change those rows
+        checks = max(FULL_CHECKS if keep is None else min(keep, FULL_CHECKS), options.top_k)
+        _check_structure_exact(result, info, checks, prune,
                                lambda: _predict_skipped(prune, info, light, hw, predict, usable, seq_len, options,
                                                         result, say))
     elif prune is not None and not prune.exact(result.ranked):
