@@ -160,8 +160,9 @@ def model_config(run: PublishedRun) -> dict[str, Any] | str:
     kv = int(m.get("kv_heads") or heads)
     arch = (m.get("arch") or "").lower()
     if arch == "gpt" or (not m.get("ffn") and not m.get("moe")) or arch == "gelu":
+        # GELU as one kernel (F.gelu: Megatron's fused bias-GELU, MPT's nn.GELU), not HF's composite gelu_new
         return {"model_type": "gpt2", "n_embd": h, "n_layer": layers, "n_head": heads, "vocab_size": vocab,
-                "n_positions": seq, "n_inner": int(m.get("ffn") or 4 * h), "activation_function": "gelu_new",
+                "n_positions": seq, "n_inner": int(m.get("ffn") or 4 * h), "activation_function": "gelu",
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     cfg = {"vocab_size": vocab, "hidden_size": h, "intermediate_size": int(m["ffn"]), "num_hidden_layers": layers,
            "num_attention_heads": heads, "num_key_value_heads": kv, "max_position_embeddings": seq,
@@ -212,6 +213,10 @@ def strategy_methods(run: PublishedRun) -> list[tuple[str, dict[str, Any]]]:
         out.append(("tensor_parallel", {}))
         if p.get("sequence_parallel") is not False:  # Megatron's default with TP since 2022, torchtitan's too
             out.append(("sequence_parallel", {}))
+        # the cross-entropy on vocabulary-sharded logits: Megatron's vocab_parallel_cross_entropy (always with
+        # TP), torchtitan's loss_parallel (on by default with TP)
+        if p.get("loss_parallel") is not False:
+            out.append(("loss_parallel", {}))
     if d["pp"] > 1:
         v = int(p.get("vpp") or 1)
         sched = p.get("pp_schedule") or ("interleaved_1f1b" if v > 1 else "1f1b")
@@ -224,12 +229,15 @@ def strategy_methods(run: PublishedRun) -> list[tuple[str, dict[str, Any]]]:
     if d["ep"] > 1:
         out.append(("expert_parallel", {}))
     zero = p.get("zero")
-    if p.get("fsdp") or zero == 3 or d["cp"] > 1:
+    if p.get("fsdp") or zero == 3 or (d["cp"] > 1 and not zero):
         out.append(("fsdp", {}))
-    elif zero == 2:
+    elif zero in (1, 2):
+        # Megatron's distributed optimizer (its "ZeRO-1"): bf16 model weights whole, fp32 main gradients whole
+        # while micro-batches accumulate, fp32 master weights and Adam state sharded over dp; gradients
+        # reduce-scattered in backward and weights all-gathered after the step, both overlapped. In torchloom's
+        # vocabulary that is FSDP ZeRO-2 under amp: the same bytes per parameter (2 + 4 + 12/dp) and the same
+        # two collectives per step (torchloom's zero1, optimizer-only sharding with a broadcast, is not it)
         out.append(("fsdp", {"reshard_after_forward": False}))
-    elif zero == 1:
-        out += [("ddp", {}), ("zero1", {})]
     elif d["dp"] > 1:
         out.append(("ddp", {}))
     if run.precision == "fp8":
@@ -255,9 +263,11 @@ def candidate(run: PublishedRun):
     methods = strategy_methods(run)
     names = {n for n, _ in methods}
     sharded = "fsdp" in names
-    hsdp = int(run.plan.get("dp_replicate") or 1) if sharded else 1
+    # HSDP only where the row says FSDP with replicas; Megatron's distributed optimizer shards over all of dp
+    hsdp = int(run.plan.get("dp_replicate") or 1) if sharded and run.plan.get("fsdp") else 1
     dims = ParallelDims(pp=d["pp"], tp=d["tp"], cp=d["cp"], ep=d["ep"],
                         dp_replicate=hsdp if sharded else d["dp"], dp_shard=d["dp"] // hsdp if sharded else 1)
+    dims.resolve(run.gpus)  # a plan torchloom cannot express (ep not dividing dp, ...) is named, not mispriced
     mb = int(run.batch.get("micro_batch") or 1)
     accum = int(run.batch["global_batch"]) // (mb * d["dp"])
     return Candidate(dims, tuple(methods), mb, accum, int(run.batch["seq_len"]))

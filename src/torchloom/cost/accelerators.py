@@ -54,17 +54,19 @@ INTER_LATENCY_S = 5e-6
 OP_OVERHEAD_S = 6e-6
 #: Achieved fraction of dense peak of the fused attention kernel, ``(forward, backward)`` by kernel and GPU
 #: generation, of the FLOPs the kernel computes (causal tiles and backward's recomputed scores included).
-#: ``flash2`` is what PyTorch's SDPA runs on NVIDIA GPUs (its flash backend is FlashAttention-2):
-#: "50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023, arXiv 2307.08691, abstract; the forward
-#: reaches the top of the range, the backward the bottom), "only 35% utilization on the H100" (Shah et al.
-#: 2024, FlashAttention-3, arXiv 2407.08608, abstract). ``flash3`` is the Hopper-specific kernel
-#: (FlashAttention-3; cuDNN's fused attention that Transformer Engine / Megatron use is of the same class):
-#: forward "up to 740 TFLOPs/s (75% utilization)" in BF16 (same abstract), backward 1.5-1.75x FlashAttention-2
-#: (same paper, sec. 4.1) = ~0.55. Blackwell and MI300X have no published figure here: the Hopper values
-#: are assumed (a stated assumption, flagged in ``sources``).
+#: ``flash2`` is what PyTorch's SDPA runs on NVIDIA GPUs (its flash backend is FlashAttention-2). A100: "50-73% of
+#: the theoretical maximum FLOPs/s" (Dao 2023, arXiv 2307.08691, abstract: the forward reaches the top of the
+#: range, the backward the bottom). H100: PyTorch SDPA measured 287-304 TFLOP/s forward at head dim 128 over
+#: sequences 1k-16k (pytorch/benchmark PR 2296, ``run_benchmark.py triton --op flash_attention``, sdpa-tflops)
+#: = 0.30 of 989; backward at A100's backward/forward ratio (50/73) = 0.21. ``flash3`` is the Hopper kernel
+#: class of FlashAttention-3 and cuDNN's fused attention (what Transformer Engine / Megatron run): forward
+#: 638-648 TFLOP/s at head dim 128 (Shah et al. 2024, arXiv 2407.08608, Fig. 5; cuDNN 595-617) = 0.65,
+#: backward 1.5-1.75x FlashAttention-2's (same paper, sec. 4.1): 1.6 x 0.26 (upstream FA2's 370 forward x
+#: 50/73) = 0.42. Blackwell and MI300X have no published figure here: the Hopper values are assumed (flagged
+#: in ``sources``).
 ATTENTION_EFFICIENCY = {
-    "flash2": {"ampere": (0.70, 0.50), "hopper": (0.35, 0.35), "other": (0.35, 0.35)},
-    "flash3": {"ampere": (0.70, 0.50), "hopper": (0.75, 0.55), "other": (0.75, 0.55)},
+    "flash2": {"ampere": (0.70, 0.50), "hopper": (0.30, 0.21), "other": (0.30, 0.21)},
+    "flash3": {"ampere": (0.70, 0.50), "hopper": (0.65, 0.42), "other": (0.65, 0.42)},
 }
 #: the attention kernel ``loom plan`` assumes: what torchloom runs (PyTorch SDPA)
 DEFAULT_ATTENTION_KERNEL = "flash2"

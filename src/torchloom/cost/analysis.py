@@ -470,28 +470,52 @@ class _Analysis:
         state = {n[len(prefix):]: t for n, t in self.fake.items() if n.startswith(prefix)}
         state_list = list({id(t): t for t in self.fake.values()}.values())
         res = {}
-        for precision in ("float32", "bfloat16"):
-            args = tuple(copy.deepcopy(v) if _is_kv_cache(v) else tree_map(_fresh_leaf, v) for v in g.call[0])
-            kwargs = {k: (copy.deepcopy(v) if _is_kv_cache(v) else tree_map(_fresh_leaf, v))
+        low_state = None
+
+        def trace(precision):  # one forward + backward of the block, parameters as ``precision`` says
+            nonlocal low_state
+            leaf = _fresh_leaf
+            if precision == PARAMS_BF16:
+                # the parameters themselves in bf16 (fsdp's mixed precision, half): no autocast, the residual
+                # stream and the norms' inputs in bf16 too
+                if low_state is None:
+                    low_state = {n: _low(t) for n, t in state.items()}
+                leaf = _low_leaf
+            args = tuple(copy.deepcopy(v) if _is_kv_cache(v) else tree_map(leaf, v) for v in g.call[0])
+            kwargs = {k: (copy.deepcopy(v) if _is_kv_cache(v) else tree_map(leaf, v))
                       for k, v in g.call[1].items()}
             inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             grad_in = {storage_key(t): t.untyped_storage().nbytes() for t in inputs if t.requires_grad}
             other_in = {storage_key(t) for t in inputs if not t.requires_grad}
-            rec = OpRecorder(state_list)
+            run_state = low_state if precision == PARAMS_BF16 else state
+            rec = OpRecorder(state_list + (list(low_state.values()) if precision == PARAMS_BF16 else []))
             with rec, rec.saving(), _autocast(precision), self._kernels():
-                out = functional_call(mod, state, args, kwargs, tie_weights=True, strict=False)
+                out = functional_call(mod, run_state, args, kwargs, tie_weights=True, strict=False)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             out_bytes = sum(t.untyped_storage().nbytes() for t in outs if storage_key(t) not in rec.saved)
+            rec.end_forward(tree_flatten(out)[0])
+            fused_drop = rec.chain_internal_saved_bytes()
             self._backward(rec, outs)
             del out, outs
             shared = sum(b for k, b in rec.saved.items() if k in other_in)  # e.g. rotary cos/sin of every block
             act = sum(b for k, b in rec.saved.items() if k not in other_in)
             created_saved = sum(b for k, b in rec.saved.items() if k not in other_in and k not in grad_in)
-            grads = rec.alive_serials(t.grad for t in state.values() if isinstance(t, torch.Tensor) and t.grad is not None)
+            grads = rec.alive_serials(t.grad for t in run_state.values()
+                                      if isinstance(t, torch.Tensor) and t.grad is not None)
             peak = rec.peak_allocated(grads) - created_saved - out_bytes
-            res[precision] = dict(rec=rec, act=act, shared=shared, peak=max(0.0, peak),
-                                  input=float(sum(grad_in.values())), weights=sum(rec.derived_saved.values()))
-            _clear_grads(state.values())
+            _clear_grads(run_state.values())
+            return dict(rec=rec, act=act, shared=shared, peak=max(0.0, peak), input=float(sum(grad_in.values())),
+                        weights=sum(rec.derived_saved.values()), act_fused=max(0.0, act - fused_drop))
+
+        for precision in ("float32", "bfloat16", PARAMS_BF16):
+            if precision != PARAMS_BF16:
+                res[precision] = trace(precision)
+                continue
+            try:  # parameters cast to bf16: a model that mixes in fp32 tensors of its own cannot run it
+                res[precision] = trace(precision)
+            except Exception as e:  # noqa: BLE001  (the autocast trace stands in, noted)
+                self._note(f"{g.name}: no trace with bf16 parameters ({type(e).__name__}); fsdp/half activations "
+                           "are estimated from the autocast trace")
         g.traced = res
         fp = res["float32"]
         rec = fp["rec"]
@@ -503,6 +527,7 @@ class _Analysis:
             fwd=rec.cost("fwd"), bwd=rec.cost("bwd"),
             act_bytes={k: float(v["act"]) for k, v in res.items()}, input_bytes=fp["input"],
             peak_extra_bytes=fp["peak"], autocast_weight_bytes=float(res["bfloat16"]["weights"]),
+            act_bytes_fused={k: float(v["act_fused"]) for k, v in res.items()},
         )
 
     def _trace_rest(self, groups: list[_Group], rest_params: list[nn.Parameter]) -> PartInfo:
@@ -555,6 +580,22 @@ class _Analysis:
 
 
 _MISSING = object()
+
+
+#: the analysis' trace with bf16 parameters (``act_bytes`` key; StepShape.activation_key selects it)
+PARAMS_BF16 = "bfloat16:params"
+
+
+def _low(t):
+    """A bf16 fake copy of a floating state tensor (same requires_grad); others as they are."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point():
+        return t.detach().to(torch.bfloat16).requires_grad_(t.requires_grad)
+    return t
+
+
+def _low_leaf(t):
+    """:func:`_fresh_leaf` in bf16 for floating tensors."""
+    return _fresh_leaf(_low(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
 
 
 def _fresh_leaf(t):

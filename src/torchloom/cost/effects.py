@@ -262,15 +262,24 @@ def activation_bytes(info, step) -> tuple[float, float]:
     """Baseline activations of one micro-batch: ``(blocks, rest)`` bytes in the compute dtype (the analysed
     sequence length scaled to ``step.seq_len``)."""
     scale = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
-    dt = step.compute_dtype
+    key = step.activation_key
 
-    def act(p):
-        a = p.act_bytes.get(dt)
-        return a if a is not None else p.act_bytes.get("float32", 0.0) * dtype_bytes(dt) / 4
-
-    blocks, rest = _memo(info, ("act", dt), lambda: (sum(act(p) * p.count for p in info.blocks),
-                                                      act(info.rest) if info.rest is not None else None))
+    blocks, rest = _memo(info, ("act", key), lambda: (sum(part_activations(p, key) * p.count for p in info.blocks),
+                                                       part_activations(info.rest, key)
+                                                       if info.rest is not None else None))
     return blocks * scale, rest * scale if rest is not None else 0.0
+
+
+def part_activations(part, key: str, fused: bool = False) -> float:
+    """Bytes one instance of ``part`` saves for backward at micro-batch 1 under the trace ``key``
+    (``StepShape.activation_key``): that trace when analysed, else the compute dtype's, else the fp32 trace
+    scaled by the element size. ``fused``: ``act_bytes_fused`` (a compiled block) where known."""
+    table = part.act_bytes_fused if fused and part.act_bytes_fused else part.act_bytes
+    for k in (key, key.split(":")[0]):
+        if k in table:
+            return table[k]
+    dt = key.split(":")[0]
+    return table.get("float32", 0.0) * dtype_bytes(dt) / 4
 
 
 def expert_params(info, dims) -> float:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ..parallel.dims import spans_nodes, view_size  # noqa: F401  (spans_nodes re-exported: the node-span rule)
 from .step import Prediction, StepShape
 from .effects import (DTYPE_BYTES, MEMORY, MEMORY_SET, Collective, Effects, PipelineShape, StageLoad,
-                      expert_shard_scale)
+                      expert_shard_scale, part_activations)
 from .hardware import Hardware
 from .model_info import ModelInfo, PassCost
 
@@ -294,14 +294,8 @@ class _Baseline:
         return {"params": ex.params * pb, "grads": trainable * pb, "optimizer": 2.0 * trainable * pb}
 
     def activations_per_microbatch(self) -> float:
-        dt = self.step.compute_dtype
-        total = 0.0
-        for p in self.info.parts:
-            a = p.act_bytes.get(dt)
-            if a is None:  # not traced in this dtype: scale the fp32 trace by the element size
-                a = p.act_bytes.get("float32", 0.0) * DTYPE_BYTES.get(dt, 4) / 4
-            total += a * p.count
-        return total * self.mb
+        key = self.step.activation_key
+        return sum(part_activations(p, key) * p.count for p in self.info.parts) * self.mb
 
 
 def _peak(mem: dict[str, float], state: _Baseline, grads_live: bool, hw: Hardware) -> dict[str, float]:

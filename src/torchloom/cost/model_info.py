@@ -96,6 +96,10 @@ class PartInfo:
         autocast_weight_bytes: bytes of the low-precision weight copies bf16 autocast makes and saves for
             backward per instance (alive from the instance's forward to its backward; not scaled by the
             micro-batch and not part of ``act_bytes``); 0 when unknown.
+        act_bytes_fused: ``act_bytes`` when the instance runs with its op chains fused (``torch.compile``):
+            without the intermediates made and used inside one chain, which a fusing compiler recomputes in
+            backward instead of saving (:meth:`~torchloom.cost.op_trace.OpRecorder.chain_internal_saved_bytes`);
+            empty when unknown (then ``act_bytes``).
     """
 
     name: str
@@ -109,6 +113,7 @@ class PartInfo:
     input_bytes: float
     peak_extra_bytes: float = 0.0
     autocast_weight_bytes: float = 0.0
+    act_bytes_fused: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

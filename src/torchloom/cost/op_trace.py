@@ -262,8 +262,8 @@ class OpRecorder(TorchDispatchMode):
         super().__init__()
         self._phase = "fwd"
         self.passes = {"fwd": _Pass(), "bwd": _Pass()}
-        self.leaving: dict[str, set] = {}  # phase -> tensors alive when it ended (its outputs, for fusion)
-        self.saved_ids: set = set()  # tensors saved for backward (leave the forward's fused chains)
+        self.leaving: dict[str, set] = {}  # phase -> tensors that leave it (its outputs, for fusion)
+        self.saved_ids: dict = {}  # tensor -> bytes of the tensors saved for backward
         self.state = {storage_key(t) for t in state}
         self.derived: dict[int, int] = {}  # storage -> bytes: low-precision copies made from state alone
         self.saved: dict[int, int] = {}  # storage -> bytes: activations saved for backward
@@ -277,9 +277,14 @@ class OpRecorder(TorchDispatchMode):
 
     @phase.setter
     def phase(self, value: str) -> None:
-        if value != self._phase:
+        if value != self._phase and self._phase not in self.leaving:
             self.leaving[self._phase] = set(self._alive.values())
         self._phase = value
+
+    def end_forward(self, outputs) -> None:
+        """Record the forward's outputs (what leaves its last fused chain) before backward starts; without it
+        every tensor alive at the end counts as leaving (saved activations included)."""
+        self.leaving["fwd"] = {self._tid(t) for t in outputs if isinstance(t, torch.Tensor)}
 
     def _tid(self, t: torch.Tensor):
         """Identity of the tensor's allocation (its serial; state and inputs by storage)."""
@@ -361,7 +366,8 @@ class OpRecorder(TorchDispatchMode):
 
         def pack(t):
             key = storage_key(t)
-            self.saved_ids.add(self._tid(t))
+            if key not in self.state and key not in self.derived:
+                self.saved_ids.setdefault(self._tid(t), t.untyped_storage().nbytes())
             if key in self.derived:
                 self.derived_saved[key] = self.derived[key]
             elif key not in self.state and key not in self.derived and key not in self.saved:
@@ -387,8 +393,17 @@ class OpRecorder(TorchDispatchMode):
         leaving = self.leaving.get(phase)
         if leaving is None:  # the last phase traced: what is alive now
             leaving = set(self._alive.values())
-        escaping = leaving | self.saved_ids if phase == "fwd" else leaving
-        return self.passes[phase].cost(escaping)
+        return self.passes[phase].cost(leaving)
+
+    def chain_internal_saved_bytes(self) -> float:
+        """Bytes of the saved activations that a fused forward never materialises: tensors made inside one
+        chain of non-matmul ops and used only there (not by a matmul, another chain, or as an output). A
+        fusing compiler recomputes them from the chain's inputs in backward instead of saving them
+        (Inductor's min-cut partitioner recomputes pointwise intermediates), so they leave the activations."""
+        f = self.passes["fwd"].fusion
+        out = self.leaving.get("fwd", set())
+        return float(sum(b for tid, b in self.saved_ids.items()
+                         if tid in f.made and tid not in f.escaping and tid not in out))
 
     def unshaped_flops(self) -> float:
         return sum(p.unshaped_flops for p in self.passes.values())

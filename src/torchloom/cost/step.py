@@ -42,9 +42,18 @@ class StepShape:
         """Dtype of the hidden state between blocks (what pipeline stages send, what activation checkpointing
         keeps): the parameters' dtype under plain autocast (the residual adds run in fp32), the compute dtype
         when the parameters are cast for compute (``half``; fsdp's ``MixedPrecisionPolicy`` under amp)."""
-        if "fsdp" in self.configs and self.compute_dtype != self.param_dtype:
+        if "fsdp" in self.configs and self.compute_dtype != "float32":
             return self.compute_dtype
         return self.param_dtype
+
+    @property
+    def activation_key(self) -> str:
+        """Which trace of ``PartInfo.act_bytes`` holds this step's activations: ``"bfloat16:params"`` when the
+        parameters themselves are low precision during compute (fsdp's mixed precision, half: everything bf16),
+        else the compute dtype (autocast on fp32 parameters: norms and the residual stream stay fp32)."""
+        if self.compute_dtype != "float32" and self.residual_dtype == self.compute_dtype:
+            return f"{self.compute_dtype}:params"
+        return self.compute_dtype
 
     @classmethod
     def of(cls, cand: "Candidate", param_dtype: str = "float32") -> "StepShape":

@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 
 from ..errors import StrategyError
-from ..cost.effects import Collective, Effects, blocks_per_rank, dtype_bytes, rank_params
+from ..cost.effects import Collective, Effects, blocks_per_rank, dtype_bytes, part_activations, rank_params
 from ..parallel.loss_scaler import DynamicLossScaler
 from ..parallel.precision import upcast_low_precision
 from ..strategy.registry import Method, Stage, register_method
@@ -77,7 +77,7 @@ class Amp(Method):
         e = Effects(self.name)
         # memory-bound traffic (traced in fp32) shrinks as the tensors the ops touch move to the low dtype:
         # the analysis' saved-activation bytes under autocast vs fp32 measure that share
-        lo = sum(p.act_bytes.get(step.compute_dtype, 0.0) * p.count for p in info.parts)
+        lo = sum(part_activations(p, step.activation_key) * p.count for p in info.parts)
         hi = sum(p.act_bytes.get("float32", 0.0) * p.count for p in info.parts)
         if lo and hi:
             e.other_scale = min(1.0, lo / hi)

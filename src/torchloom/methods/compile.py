@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cost.effects import Effects
+from ..cost.effects import Effects, activation_bytes, part_activations
 from ..parallel.blocks import find_blocks
 from ..strategy.registry import Method, Stage, register_method
 
@@ -42,7 +42,13 @@ class Compile(Method):
         eager, as ``apply`` compiles the blocks only. Other backends (``aot_eager``) run the eager kernels."""
         if self.config.backend not in self.FUSING_BACKENDS:
             return Effects(self.name, notes=[f"backend {self.config.backend!r} does not fuse: priced as eager"])
-        return Effects(self.name, fused=True)
+        e = Effects(self.name, fused=True)
+        # the blocks save no chain-internal intermediates (recomputed in backward): their activations shrink
+        blocks, rest = activation_bytes(info, step)
+        fused = _fused_block_activations(info, step)
+        if blocks + rest > 0 and fused is not None:
+            e.memory_scale["activations"] = (fused + rest) / (blocks + rest)
+        return e
 
     def apply(self, ctx) -> None:
         c = self.config
@@ -50,3 +56,13 @@ class Compile(Method):
         for _, block in blocks:
             block.compile(backend=c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic)
         ctx.note(f"compile: {len(blocks)} blocks with backend={c.backend}")
+
+
+def _fused_block_activations(info, step) -> float | None:
+    """The blocks' activations of one micro-batch under fusion (``PartInfo.act_bytes_fused`` of the step's
+    trace, scaled like :func:`~torchloom.cost.effects.activation_bytes`); None when the analysis has none."""
+    if not info.blocks or not all(p.act_bytes_fused for p in info.blocks):
+        return None
+    scale = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
+    key = step.activation_key
+    return sum(part_activations(p, key, fused=True) * p.count for p in info.blocks) * scale
