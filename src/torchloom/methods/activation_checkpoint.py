@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..cost.memo import memo_model_check
 from ..cost.effects import Effects, activation_bytes, blocks_per_rank, dtype_bytes
 from ..errors import StrategyError
 from ..parallel.blocks import find_blocks
@@ -111,8 +112,8 @@ class ActivationCheckpoint(Method):
         """``apply``'s checks on the (meta) model: the wrap classes exist; no dropout in a checkpointed
         block without ``preserve_rng_state`` (the whole model's ``blocks[::every_k]``; under pipelining
         ``apply`` counts per rank, which may pick other blocks of a model whose blocks differ)."""
-        if info.module is not None:
-            self.chosen_blocks([info.module])
+        if info.module is not None:  # memoised per config: a search checks thousands of candidates on one model
+            memo_model_check(info.module, ("checkpoint", repr(self.config)), lambda: self.chosen_blocks([info.module]))
 
     def chosen_blocks(self, parts) -> list:
         """``(name, block)`` of the blocks to checkpoint: every ``every_k``-th of the parts' blocks together

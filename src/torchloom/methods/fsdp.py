@@ -12,6 +12,7 @@ from torch.distributed.tensor import Shard
 
 from ..cost.effects import (Collective, Effects, GROUPED, block_params, blocks_per_rank, dense_params,
                             dtype_bytes, expert_params, moe_layers_per_rank, rank_params)
+from ..cost.memo import memo_model_check
 from ..parallel.blocks import find_blocks, shared_parameter_owners
 from ..parallel.buffers import broadcast_module_states, install_buffer_sync
 from ..parallel.expert.reduce import broadcast_states_by_group, expert_tensor_ids
@@ -76,8 +77,9 @@ class FSDP(Method):
 
     def validate(self, info, dims) -> None:
         """``apply``'s model checks: the wrap classes exist in the (meta) model."""
-        if info.module is not None:
-            find_blocks(info.module, self.config.wrap_cls)
+        if info.module is not None:  # memoised: a search checks thousands of candidates on one model
+            wrap = tuple(self.config.wrap_cls) if self.config.wrap_cls is not None else None
+            memo_model_check(info.module, ("fsdp.wrap_cls", wrap), lambda: find_blocks(info.module, wrap and list(wrap)))
 
     def estimate(self, info, dims, hw, step):
         """FSDP2 per rank (each block one unit, the rest the root unit):
