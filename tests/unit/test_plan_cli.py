@@ -49,8 +49,11 @@ def test_70b_on_1024_h100_json_schema(plan_70b_json):
 
 
 def _dtype(c):
+    names = [n for n, _ in c["candidate"]["methods"]]
     amp = next((cfg for n, cfg in c["candidate"]["methods"] if n == "amp"), None)
-    return "float32" if amp is None else amp.get("dtype", "bfloat16")
+    if amp is None:
+        return "bfloat16" if "float8" in names else "float32"  # float8 implies bf16 amp (the MFU's peak)
+    return amp.get("dtype", "bfloat16")
 
 
 def test_70b_table_and_explain():

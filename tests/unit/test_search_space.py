@@ -385,3 +385,35 @@ def test_loom_train_log_does_not_repeat_the_search_summary():
         logger.setLevel(level)
     assert r.notes[0] in handler.seen  # Job.setup skips the notes in handler.seen: the summary appears once
     assert sum(r.notes[0] in line for line in handler.job.lines) == 1
+
+
+def test_context_parallel_is_searched_for_long_sequences_only():
+    """cp meshes (with context_parallel and fsdp over dp_shard x cp) appear from CP_MIN_SEQ tokens, with degrees
+    that split the sequence into 2 cp chunks; a pin selects one degree; excluding it removes them."""
+    import dataclasses
+
+    from torchloom.search.space import CP_MIN_SEQ
+
+    short = toy_info()
+    long = dataclasses.replace(toy_info(), seq_len=CP_MIN_SEQ)
+    assert not [c for c in enumerate_space(short, 8, 8, SearchOptions()).bases if c.dims.cp > 1]
+    cps = [c for c in enumerate_space(long, 8, 8, SearchOptions()).bases if c.dims.cp > 1]
+    assert {c.dims.cp for c in cps} == {2, 4, 8}
+    for c in cps:
+        names = [n for n, _ in c.methods]
+        assert "context_parallel" in names and "fsdp" in names and c.dims.world == 8
+        assert c.global_batch == 8
+    pinned = enumerate_space(long, 8, 8, SearchOptions.parse({"fixed": {"cp": 4}})).bases
+    assert pinned and {c.dims.cp for c in pinned} == {4}
+    assert not [c for c in enumerate_space(long, 8, 8, SearchOptions.parse({"exclude": ["context_parallel"]})).bases
+                if c.dims.cp > 1]
+
+
+def test_float8_is_a_precision_only_where_the_hardware_has_it():
+    info = toy_info()
+    plain = enumerate_space(info, 4, 8, SearchOptions()).bases
+    fp8 = enumerate_space(info, 4, 8, SearchOptions(), fp8=True).bases
+    assert not any(n == "float8" for c in plain for n, _ in c.methods)
+    with8 = [c for c in fp8 if any(n == "float8" for n, _ in c.methods)]
+    assert with8 and not any(n == "tensor_parallel" for c in with8 for n, _ in c.methods)  # declared conflict
+    assert len(fp8) > len(plain)

@@ -21,7 +21,7 @@ DP_CHOICES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 #: built-in names the space enumerates by its own rules (their ``search_configs`` are not used)
 BUILTIN_CHOICES = (*DP_CHOICES, "fsdp", "tensor_parallel", "sequence_parallel", "pipeline_parallel",
                    "expert_parallel", "checkpoint", "amp", "cpu_offload")
-FIXED_KEYS = ("pp", "dp_replicate", "dp_shard", "tp", "dp", "ep", "micro_batch")
+FIXED_KEYS = ("pp", "dp_replicate", "dp_shard", "tp", "dp", "ep", "cp", "micro_batch")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 KEYS = ("exclude", "include", "fixed", "time_limit_s", "top_k", "on_mismatch", "model_factory", "cache",
         "headroom", "trial_steps", "pipeline_schedules", "max_micro_batch", "seq_len", "sample_batch")

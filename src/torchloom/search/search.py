@@ -90,7 +90,7 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
     usable = hw.memory_bytes * (1 - options.headroom)
     say(f"enumerating the layouts of {world_size:,} ranks")
     space = enumerate_space(info, world_size, global_batch, options, memory_bytes=hw.memory_bytes,
-                            ranks_per_node=ranks_per_node)
+                            ranks_per_node=ranks_per_node, fp8=hw.device_type != "cpu" and "float8" in hw.peak_flops)
     result = SearchResult(chosen=None, chosen_by="predicted", world_size=world_size,  # type: ignore[arg-type]
                           global_batch=global_batch, seq_len=seq_len, sequence=info.sequence)
     _count_pruned(result, space)

@@ -32,7 +32,17 @@ from .options import BUILTIN_CHOICES, SearchOptions
 
 #: registry methods the space enumerates by its own rules
 _OWN_METHODS = ("parallel_mode", "ddp", "zero1", "fsdp", "amp", "checkpoint", "pipeline_parallel",
-                "tensor_parallel", "sequence_parallel", "expert_parallel")
+                "tensor_parallel", "sequence_parallel", "expert_parallel", "context_parallel", "float8")
+#: the method item a ``cp > 1`` candidate carries
+CP_ITEM = ("context_parallel", {})
+#: the float8 precision item (searched where the hardware has FP8 tensor cores)
+FP8_ITEM = ("float8", {})
+#: context parallelism is searched from this many tokens per sample: it exists to split the activations of long
+#: sequences (Llama 3 used it only in its 128k phase; torchtitan's CP runs start at 32k); below, a sample's
+#: activations fit with checkpointing and TP, and the ring's per-layer exchanges only cost
+CP_MIN_SEQ = 16384
+#: the largest cp degree searched (Llama 3 405B at 128k tokens: cp=16)
+CP_MAX = 16
 #: the method item an ``ep > 1`` candidate carries (its layout is the mesh's: no options to search)
 EP_ITEM = ("expert_parallel", {})
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -179,7 +189,7 @@ def user_method_options(options: SearchOptions) -> list[list[tuple[str, dict[str
 
 def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options: SearchOptions, *,
                     memory_bytes: float | None = None, ranks_per_node: int | None = None,
-                    offload: bool = False) -> Space:
+                    offload: bool = False, fp8: bool = False) -> Space:
     """Every base candidate (without activation checkpointing) for ``world_size`` ranks and ``global_batch``
     samples per optimizer step at ``info.seq_len`` tokens, in a deterministic order.
 
@@ -190,6 +200,11 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
             path of every block; torchtitan and Megatron keep TP inside a node). None: one node.
         offload: enumerate FSDP CPU-offload variants instead of the plain ones (the search does when no plain
             candidate fits).
+        fp8: the hardware has FP8 tensor cores: ``float8`` (on bf16 amp) is a precision choice too.
+
+    Context parallelism (``cp > 1`` with ``context_parallel``, FSDP over ``dp_shard x cp``) is searched for
+    sequences of :data:`CP_MIN_SEQ` tokens and more, degrees up to :data:`CP_MAX` that split the sequence into
+    ``2 cp`` load-balanced chunks.
 
     Raises:
         StrategyError: a non-positive ``global_batch``.
@@ -201,6 +216,8 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
     usable = None if memory_bytes is None else memory_bytes * (1 - options.headroom)
     precisions = [None] if "amp" in options.exclude else ([("amp", {"dtype": "bfloat16"})] if "amp" in options.include
                                                            else [None, ("amp", {"dtype": "bfloat16"})])
+    if fp8 and "float8" not in options.exclude and "amp" not in options.exclude:
+        precisions = [FP8_ITEM] if "float8" in options.include else [*precisions, FP8_ITEM]
     extras = user_method_options(options)
     space = Space(bases=[])
     for dims in _meshes(world_size, info, options):
@@ -220,6 +237,13 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
             continue
         space.meshes += 1
         choices = dp_choices_for(dims, allowed_dp)
+        if dims.cp > 1:  # FSDP shards over dp_shard x cp (context_parallel requires fsdp)
+            choices = [c for c in (["zero3", "zero2"] if dims.dp == 1 else choices) if c in ("zero2", "zero3", "hsdp")
+                       and c in allowed_dp]
+            if not choices:
+                space.pruned.append(Pruned(layout + " *", "context parallelism needs fsdp (zero2/zero3/hsdp), not "
+                                           "allowed here", layout=layout))
+                continue
         if dims.dp > 1 and not choices:
             space.pruned.append(Pruned(layout + " *", "no allowed data-parallel method fits this mesh "
                                        f"shape (allowed: {', '.join(allowed_dp)})", layout=layout))
@@ -247,7 +271,23 @@ def _meshes(world_size: int, info: ModelInfo, options: SearchOptions) -> list[Pa
     out = []
     for dims in factorisations(world_size):
         out += [dataclasses.replace(dims, ep=ep) for ep in ep_degrees(info, dims, options)] or [dims]
+    for cp in cp_degrees(info, world_size, options):
+        out += [dataclasses.replace(dims, cp=cp) for dims in factorisations(world_size // cp)]
     return out
+
+
+def cp_degrees(info: ModelInfo, world_size: int, options: SearchOptions) -> list[int]:
+    """Context-parallel degrees > 1 to search: for sequences of :data:`CP_MIN_SEQ` tokens or more (or when
+    ``context_parallel`` is included, or ``cp`` pinned), up to :data:`CP_MAX`, dividing the world and splitting
+    the sequence into ``2 cp`` chunks; none for a model with experts (not combined yet) or excluded."""
+    pinned = options.fixed.get("cp")
+    if "context_parallel" in options.exclude or info.experts is not None or not info.sequence:
+        return []
+    if pinned is not None:
+        return [pinned] if pinned > 1 else []
+    if info.seq_len < CP_MIN_SEQ and "context_parallel" not in options.include:
+        return []
+    return [c for c in divisors(world_size) if 1 < c <= CP_MAX and info.seq_len % (2 * c) == 0]
 
 
 def _bases_for(dims, dp_item, precisions, extras, global_batch, seq_len, options) -> list[Candidate]:
@@ -266,7 +306,8 @@ def _bases_for(dims, dp_item, precisions, extras, global_batch, seq_len, options
         accum = local // mb
         if sched is not None and not _schedule_may_fit(sched, dims.pp, accum, dp_item):
             continue
-        items = [i for i in (dp_item, prec) if i is not None] + list(tp) + ([EP_ITEM] if dims.ep > 1 else [])
+        items = ([i for i in (dp_item, prec) if i is not None] + list(tp) + ([EP_ITEM] if dims.ep > 1 else [])
+                 + ([CP_ITEM] if dims.cp > 1 else []))
         if sched is not None:
             items.append(("pipeline_parallel", {"schedule": sched, "num_microbatches": accum}))
         items += [e for e in extra if e is not None]
@@ -308,7 +349,7 @@ def _schedule_may_fit(schedule: str, pp: int, n: int, dp_item) -> bool:
 
 def _mesh_pruned(dims, fixed, options, info, global_batch, ranks_per_node) -> str | None:
     for k, v in fixed.items():
-        if k in ("pp", "dp_replicate", "dp_shard", "tp") and getattr(dims, k) != v:
+        if k in ("pp", "dp_replicate", "dp_shard", "tp", "cp") and getattr(dims, k) != v:
             return f"search fixed {k}={v}"
         if k == "dp" and dims.dp != v:
             return f"search fixed dp={v}"
@@ -326,6 +367,8 @@ def _mesh_pruned(dims, fixed, options, info, global_batch, ranks_per_node) -> st
         return "tensor_parallel excluded"
     if dims.pp > 1 and "pipeline_parallel" in options.exclude:
         return "pipeline_parallel excluded"
+    if dims.cp == 1 and "context_parallel" in options.include:
+        return "context_parallel included (cp > 1 needed)"
     if dims.tp == 1 and options.include & {"tensor_parallel", "sequence_parallel"}:
         return "tensor_parallel included (tp > 1 needed)"
     if dims.pp == 1 and "pipeline_parallel" in options.include:
@@ -389,7 +432,8 @@ def _check(cand: Candidate, info: ModelInfo) -> str | None:
 
 def mesh_label(d: ParallelDims) -> str:
     """A layout's degrees in words: ``pp1 dpr2 dps1 tp1`` (``ep4`` added when > 1)."""
-    return f"pp{d.pp} dpr{d.dp_replicate} dps{d.dp_shard}{f' ep{d.ep}' if d.ep > 1 else ''} tp{d.tp}"
+    return (f"pp{d.pp} dpr{d.dp_replicate} dps{d.dp_shard}{f' ep{d.ep}' if d.ep > 1 else ''}"
+            f"{f' cp{d.cp}' if d.cp > 1 else ''} tp{d.tp}")
 
 
 def _gib(b: float) -> str:
