@@ -442,7 +442,7 @@ def search_options_from_cli(exclude: str | None, fixed) -> dict[str, Any]:
             pins[k.strip()] = int(v)
         except ValueError:
             raise StrategyError(f"--fix {item!r}: write DIM=N, e.g. --fix tp=8 (dims: pp, dp, dp_replicate, "
-                                f"dp_shard, tp, ep, micro_batch).") from None
+                                f"dp_shard, tp, ep, cp, micro_batch).") from None
     if pins:
         out["fixed"] = pins
     return out
