@@ -74,7 +74,7 @@ def test_cache_written_then_reused_without_measuring(tmp_path, counted):
     hw1 = calibrate.local_hardware(2, cache_dir=tmp_path)
     path = calibrate.cache_path(calibrate.fingerprint(), 2, 1, tmp_path)
     assert counted == [2] and path.exists()
-    assert path.name == f"{calibrate.fingerprint_hash(calibrate.fingerprint())}-w2.json"
+    assert path.name == f"{calibrate.fingerprint_hash({**calibrate.fingerprint(), **calibrate.CALIBRATION_METHOD})}-w2.json"
     hw2 = calibrate.local_hardware(2, cache_dir=tmp_path)
     assert counted == [2], "the second call measured again instead of reading the cache"
     assert hw2.to_dict() == hw1.to_dict()

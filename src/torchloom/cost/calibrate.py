@@ -93,6 +93,11 @@ def fingerprint(backend: str | None = None) -> dict[str, Any]:
     }
 
 
+#: what the calibration measures, in the cache file's name: a calibration measured another way is not reused
+#: (2: GEMMs timed as ``x @ W^T``, nn.Linear's layout)
+CALIBRATION_METHOD = {"calibration_method": 2}
+
+
 def fingerprint_hash(fp: dict[str, Any]) -> str:
     """A short stable hash (12 hex digits) of a fingerprint: names cache files."""
     return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
@@ -220,6 +225,7 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
         fingerprint=fingerprint(backend), threads_per_rank=torch.get_num_threads(),
         load=load, provisional=bool(load["under_load"]),
     )
+    _table_kernels(hw, device)
     wall = time.perf_counter() - t_start
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     how = f"measured {stamp} on {world} {backend} ranks ({local} per node, {hw.threads_per_rank} threads each)"
@@ -249,6 +255,28 @@ def _peaks(device: torch.device, matmul: dict[str, list[tuple[float, float]]]) -
         if acc is not None:
             return {**measured, **acc.peak_flops}, acc.sources["peak_flops"]
     return measured, ""
+
+
+def _table_kernels(hw: Hardware, device: torch.device) -> None:
+    """On a GPU the accelerator table knows: the attention kernel's rates from the table
+    (:func:`~torchloom.cost.accelerators.attention_rates`, not measured here) and, where it has FP8 but the
+    calibration measured none, an FP8 GEMM curve = the measured bf16 curve x (FP8 peak / bf16 peak): the bf16
+    GEMMs' measured efficiency carried over (an assumption, named in ``sources``)."""
+    if device.type != "cuda":
+        return
+    from .accelerators import attention_rates, match_device_name
+
+    acc = match_device_name(torch.cuda.get_device_name(device))
+    if acc is None:
+        return
+    hw.attention_flops = attention_rates(acc)
+    hw.attention_kernel = "flash2"
+    hw.sources["attention_flops"] = "accelerator table (ATTENTION_EFFICIENCY, flash2), not measured"
+    bf16 = hw.matmul_flops.get("bfloat16")
+    if "float8" in acc.peak_flops and "float8" not in hw.matmul_flops and bf16 and acc.peak_flops.get("bfloat16"):
+        ratio = acc.peak_flops["float8"] / acc.peak_flops["bfloat16"]
+        hw.matmul_flops["float8"] = [(f, r * ratio) for f, r in bf16]
+        hw.sources["matmul_flops.float8"] = f"measured bf16 curve x {ratio:.2f} (FP8/bf16 datasheet peaks; assumed)"
 
 
 def _measure_inter(timer, members, local, nodes, backend, sizes, target_s) -> tuple[float, float]:
@@ -281,7 +309,7 @@ def cache_path(fp: dict[str, Any], ranks_per_node: int, num_nodes: int = 1,
                directory: str | os.PathLike | None = None) -> Path:
     """The cache file for this fingerprint and job layout."""
     nodes = f"-n{num_nodes}" if num_nodes > 1 else ""
-    return cache_dir(directory) / f"{fingerprint_hash(fp)}-w{ranks_per_node}{nodes}.json"
+    return cache_dir(directory) / f"{fingerprint_hash({**fp, **CALIBRATION_METHOD})}-w{ranks_per_node}{nodes}.json"
 
 
 def load_cached(path: Path, fp: dict[str, Any], ranks_per_node: int, threads: int,

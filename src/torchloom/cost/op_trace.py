@@ -36,9 +36,9 @@ _SDPA_BWD = {aten._scaled_dot_product_flash_attention_for_cpu_backward,
 _EXTRA_FLOPS = {aten._scaled_dot_product_flash_attention_for_cpu,
                 aten._scaled_dot_product_flash_attention_for_cpu_backward, aten._grouped_mm}
 
-#: ops that launch no kernel and move no bytes: metadata queries, views not flagged ``is_view`` (``_unsafe_view``
-#: of a fresh tensor, ``alias``), allocations that write nothing (``empty``: the bytes are written by the op
-#: that fills them, counted there)
+#: ops that launch no kernel and move no bytes (still dispatched: counted in ``PassCost.ops``): views not flagged
+#: ``is_view`` (``_unsafe_view`` of a fresh tensor, ``alias``), allocations that write nothing (``empty``: the bytes
+#: are written by the op that fills them, counted there)
 _NO_KERNEL = {aten.detach, aten._unsafe_view, aten.alias, aten.lift_fresh, aten.empty, aten.empty_like,
               aten.empty_strided, aten.new_empty, aten.new_empty_strided}
 
@@ -304,9 +304,11 @@ class OpRecorder(TorchDispatchMode):
         acc = self.passes[self.phase]
         packet = func._overloadpacket
         is_view = getattr(func, "is_view", False)
-        # kernels only: views, detach, prim.device and allocations cost no launch and move no bytes
-        kernel = func.namespace != "prim" and not is_view and packet not in _NO_KERNEL
-        if kernel:
+        # views, detach and prim.device cost nothing; _unsafe_view, alias, empty and the like launch no kernel and
+        # move no bytes but still go through the dispatcher (host time per op)
+        dispatched = func.namespace != "prim" and not is_view and packet is not aten.detach
+        kernel = dispatched and packet not in _NO_KERNEL
+        if dispatched:
             acc.ops += 1
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
