@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = load_runs()
     if args.only:
         want = set(args.only.split(","))
+        unknown = sorted(want - {r.id for r in runs})
+        if unknown:
+            ap.error(f"--only: unknown id(s) {', '.join(unknown)}; the ids are in benchmarks/published_runs.yaml")
         runs = [r for r in runs if r.id in want]
     rows = []
     for run in runs:

@@ -275,7 +275,10 @@ def part_activations(part, key: str, fused: bool = False) -> float:
     (``StepShape.activation_key``): that trace when analysed, else the compute dtype's, else the fp32 trace
     scaled by the element size. ``fused``: ``act_bytes_fused`` (a compiled block) where known."""
     table = part.act_bytes_fused if fused and part.act_bytes_fused else part.act_bytes
-    for k in (key, key.split(":")[0]):
+    # fp16 saves what bf16 saves (the same 2-byte element): the analysis traces bf16 only
+    twins = [key, key.split(":")[0]] + ([key.replace("float16", "bfloat16"), "bfloat16"] if "float16" in key
+                                         and "bfloat16" not in key else [])
+    for k in twins:
         if k in table:
             return table[k]
     dt = key.split(":")[0]

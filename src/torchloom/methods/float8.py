@@ -74,14 +74,23 @@ class Float8(Method):
                 per_block += g.count * part.count * (
                     CAST_BYTES_PER_ELEMENT * (inp + weight + out) + TRANSPOSE_BYTES_PER_ELEMENT * (inp + weight))
         per_block /= max(info.num_blocks, 1)
-        tp = max(dims.tp, 1)
-        seconds = per_block * blocks_per_rank(info, dims) * step.grad_accum / tp / hw.mem_bw if hw.mem_bw else 0.0
+        split = max(dims.tp, 1) * max(dims.cp, 1)  # the rank's share of the weights (tp) and tokens (cp)
+        seconds = per_block * blocks_per_rank(info, dims) * step.grad_accum / split / hw.mem_bw if hw.mem_bw else 0.0
         return Effects(self.name, time_add={"casts": seconds},
                        notes=[f"{self.config.recipe} scaling; head and attention in bf16"])
 
     def validate(self, info, dims) -> None:
+        """Refuse a model whose blocks hold no ``nn.Linear`` (``apply`` converts only those: GPT-2's ``Conv1D``,
+        fused expert weights stay bf16), so a plan is never priced at FP8 for layers that would not run in it."""
         if not info.blocks:
             raise StrategyError("float8: the model has no repeated blocks to convert (pass block classes).")
+        if info.module is not None and info.block_classes:
+            import torch
+
+            block = next((m for m in info.module.modules() if type(m).__name__ in info.block_classes), None)
+            if block is not None and not any(isinstance(m, torch.nn.Linear) for m in block.modules()):
+                raise StrategyError(f"float8: the blocks ({type(block).__name__}) hold no nn.Linear layers (torchao "
+                                    "converts only those; e.g. GPT-2's Conv1D stays bf16): drop float8 for this model.")
 
     def apply(self, ctx) -> None:
         import torch

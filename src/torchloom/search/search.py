@@ -41,7 +41,7 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
            hw: Hardware, info: ModelInfo | None = None, seq_len: int | None = None,
            options: SearchOptions | dict | None = None, runner: Runner | None = None,
            predict: Predictor | None = None, progress: Callable[[str], None] | None = None,
-           keep: int | None = None) -> SearchResult:
+           keep: int | None = None, unrunnable: bool = False) -> SearchResult:
     """Find the fastest plan for ``model`` on ``world_size`` ranks of ``hw`` at ``global_batch`` samples
     (of ``seq_len`` tokens) per optimizer step.
 
@@ -90,7 +90,8 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
     usable = hw.memory_bytes * (1 - options.headroom)
     say(f"enumerating the layouts of {world_size:,} ranks")
     space = enumerate_space(info, world_size, global_batch, options, memory_bytes=hw.memory_bytes,
-                            ranks_per_node=ranks_per_node, fp8=hw.device_type != "cpu" and "float8" in hw.peak_flops)
+                            ranks_per_node=ranks_per_node, fp8=hw.device_type != "cpu" and "float8" in hw.peak_flops,
+                            context_parallel=unrunnable)
     result = SearchResult(chosen=None, chosen_by="predicted", world_size=world_size,  # type: ignore[arg-type]
                           global_batch=global_batch, seq_len=seq_len, sequence=info.sequence)
     _count_pruned(result, space)
@@ -168,12 +169,14 @@ def _predict_all(space: Space, info, check_info, hw, predict, usable: float, seq
     With ``prune``: bases whose throughput bound cannot reach the ``keep`` best found so far are skipped
     (kept in ``prune.skipped``; priced after all if the bound is ever seen to fail)."""
     levels = ac_levels(info, options)
-    hopeless: set[str] = set()  # groups where a smaller micro-batch already fit at no checkpointing level
+    hopeless: set = set()  # groups where a smaller micro-batch fit at no checkpointing level
     for i_base, base in enumerate(space.bases):
         if i_base % 256 == 0:
             say(f"predicting candidate {i_base + 1:,} of {len(space.bases):,} on {space.meshes:,} layouts "
                 f"({len(result.ranked):,} fit so far)")
-        group = _group_key(base)
+        # a larger micro-batch needs more memory, within one accumulation regime: accumulating micro-batches keep
+        # gradients unsharded (FSDP) where one micro-batch per step does not, so accum 1 is its own group
+        group = (_group_key(base), base.grad_accum > 1)
         if group in hopeless:  # a larger micro-batch needs more memory: it cannot fit either
             continue
         base = base if base.seq_len == seq_len else Candidate(base.dims, base.methods, base.micro_batch,

@@ -189,7 +189,7 @@ def user_method_options(options: SearchOptions) -> list[list[tuple[str, dict[str
 
 def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options: SearchOptions, *,
                     memory_bytes: float | None = None, ranks_per_node: int | None = None,
-                    offload: bool = False, fp8: bool = False) -> Space:
+                    offload: bool = False, fp8: bool = False, context_parallel: bool = False) -> Space:
     """Every base candidate (without activation checkpointing) for ``world_size`` ranks and ``global_batch``
     samples per optimizer step at ``info.seq_len`` tokens, in a deterministic order.
 
@@ -201,6 +201,8 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
         offload: enumerate FSDP CPU-offload variants instead of the plain ones (the search does when no plain
             candidate fits).
         fp8: the hardware has FP8 tensor cores: ``float8`` (on bf16 amp) is a precision choice too.
+        context_parallel: search ``cp > 1`` (``loom plan`` does; a search whose plan is applied does not until
+            context parallelism runs, issue [13]).
 
     Context parallelism (``cp > 1`` with ``context_parallel``, FSDP over ``dp_shard x cp``) is searched for
     sequences of :data:`CP_MIN_SEQ` tokens and more, degrees up to :data:`CP_MAX` that split the sequence into
@@ -220,7 +222,7 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
         precisions = [FP8_ITEM] if "float8" in options.include else [*precisions, FP8_ITEM]
     extras = user_method_options(options)
     space = Space(bases=[])
-    for dims in _meshes(world_size, info, options):
+    for dims in _meshes(world_size, info, options, context_parallel):
         space.layouts += 1
         layout = mesh_label(dims)
         why = _mesh_pruned(dims, f, options, info, global_batch, ranks_per_node)
@@ -265,13 +267,14 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
     return space
 
 
-def _meshes(world_size: int, info: ModelInfo, options: SearchOptions) -> list[ParallelDims]:
+def _meshes(world_size: int, info: ModelInfo, options: SearchOptions,
+            context_parallel: bool = False) -> list[ParallelDims]:
     """The factorisations of the world (``ep = 1``, :func:`torchloom.parallel.dims.factorisations`), each
     multiplied out by its expert-parallel degrees (:func:`ep_degrees`)."""
     out = []
     for dims in factorisations(world_size):
         out += [dataclasses.replace(dims, ep=ep) for ep in ep_degrees(info, dims, options)] or [dims]
-    for cp in cp_degrees(info, world_size, options):
+    for cp in cp_degrees(info, world_size, options) if context_parallel else ():
         out += [dataclasses.replace(dims, cp=cp) for dims in factorisations(world_size // cp)]
     return out
 
@@ -284,7 +287,7 @@ def cp_degrees(info: ModelInfo, world_size: int, options: SearchOptions) -> list
     if "context_parallel" in options.exclude or info.experts is not None or not info.sequence:
         return []
     if pinned is not None:
-        return [pinned] if pinned > 1 else []
+        return [pinned] if pinned > 1 and world_size % pinned == 0 else []
     if info.seq_len < CP_MIN_SEQ and "context_parallel" not in options.include:
         return []
     return [c for c in divisors(world_size) if 1 < c <= CP_MAX and info.seq_len % (2 * c) == 0]
