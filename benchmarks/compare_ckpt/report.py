@@ -204,13 +204,16 @@ def plot(r: dict, path: Path) -> None:
 
     def bars(axis, series, title):
         width = 0.8 / len(series)
+        plotted = []
         for j, (label, qs) in enumerate(series):
             xs = [i + (j - (len(series) - 1) / 2) * width for i, q in enumerate(qs) if q["median"] is not None]
             ok = [q for q in qs if q["median"] is not None]
+            plotted += [q["median"] for q in ok]
             axis.bar(xs, [q["median"] for q in ok], width, label=label,
                      yerr=[[q["median"] - q["q1"] for q in ok], [q["q3"] - q["median"] for q in ok]], capsize=3)
         axis.set_xticks(range(len(names)), names, rotation=25, ha="right")
-        axis.set_yscale("log")
+        if any(v > 0 for v in plotted):  # a log axis needs a positive value (a smoke run may measure none)
+            axis.set_yscale("log")
         axis.set_title(title)
         if len(series) > 1:
             axis.legend(fontsize=8)
