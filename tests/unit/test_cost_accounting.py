@@ -276,3 +276,17 @@ def test_float8_runs_the_block_gemms_at_the_fp8_rate_and_is_refused_without_fp8(
     with pytest.raises(StrategyError, match="no FP8 tensor cores.*h100-sxm"):
         predict(cand([("float8", {})], mb=2), info, cluster("a100", 8))
 
+
+
+def test_is_causal_is_read_by_name_for_every_sdpa_kernel():
+    """The flag sits at a different position in each kernel's schema (flash 4, efficient/cuDNN 6, backwards 7,
+    11, 14): a causal cuDNN/efficient op must not be priced full-square."""
+    from torchloom.cost.op_trace import _SDPA_BWD, _SDPA_FWD, _sdpa_causal
+
+    for packet in (*_SDPA_FWD, *_SDPA_BWD):
+        names = [a.name for a in packet.default._schema.arguments]
+        i = names.index("is_causal")
+        args = [None] * i + [True]
+        assert _sdpa_causal(packet, args, {}), packet
+        assert not _sdpa_causal(packet, [None] * i + [False], {}), packet
+    assert _sdpa_causal(next(iter(_SDPA_FWD)), [], {"is_causal": True})

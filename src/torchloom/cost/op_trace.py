@@ -69,13 +69,13 @@ def causal_tile_share(lq: int, lk: int, tile: int = FLASH_TILE) -> float:
 
 
 def _sdpa_causal(packet, args, kwargs) -> bool:
-    """The ``is_causal`` argument of an SDPA forward/backward op (positional or keyword)."""
-    i = 4 if packet in _SDPA_FWD else 7
-    if packet in (aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention):
-        i = 6 if packet is aten._scaled_dot_product_efficient_attention else 7
+    """The ``is_causal`` argument of an SDPA forward/backward op (positional or keyword), found by name in the
+    op's schema (its position differs between the flash, efficient and cuDNN kernels and their backwards)."""
     if "is_causal" in kwargs:
         return bool(kwargs["is_causal"])
-    return bool(args[i]) if len(args) > i and isinstance(args[i], bool) else False
+    names = [a.name for a in packet.default._schema.arguments]
+    i = names.index("is_causal") if "is_causal" in names else -1
+    return 0 <= i < len(args) and bool(args[i])
 
 
 def storage_key(t: torch.Tensor) -> int:
