@@ -357,7 +357,9 @@ def auto_accelerate(
         model=ctx.model, optimizer=ctx.optimizer, loss_func=loss_func, device=device, grad_accum_steps=accum,
         max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler, loss_scaler=ctx.loss_scaler,
         model_input_format=model_input_format, prepare_input=prepare_input,
-        dp_group=ctx.mesh.group("dp"), dp_size=ctx.mesh.dp_size, step_contexts=ctx.step_contexts,
+        # gradients and the loss's token counts are reduced over dp, or dp x cp under a sequence split
+        dp_group=ctx.mesh.group(ctx.mesh.grad_view), dp_size=ctx.mesh.degree(ctx.mesh.grad_view),
+        step_contexts=ctx.step_contexts, sequence_split=ctx.sequence_split,
         grad_norm_groups=ctx.grad_norm_groups, pre_step_hooks=ctx.pre_step_hooks,
     )
     res = AccelerateResult(

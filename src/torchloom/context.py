@@ -52,6 +52,9 @@ class AccelContext:
     post_optimizer: list[Callable[["AccelContext"], None]] = field(default_factory=list)
     #: context-manager factories TrainStep enters around forward + loss + backward (e.g. ``loss_parallel``)
     step_contexts: list[Callable[[], Any]] = field(default_factory=list)
+    #: ``split(batch) -> batch``: this rank's tokens of every sample under a sequence split (context parallel /
+    #: Ulysses: ``torchloom.parallel.context``), applied by TrainStep after ``prepare_input``; None: no split
+    sequence_split: Callable[[Any], Any] | None = None
     #: extra process groups over which the global gradient norm is summed (disjoint parameters: pipeline stages)
     grad_norm_groups: list[Any] = field(default_factory=list)
     #: ``hook(params)`` run at each optimizer step before unscaling/clipping (e.g. tied weights across stages)

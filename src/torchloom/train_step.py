@@ -185,6 +185,20 @@ def _raise_if_batch_does_not_fit(error: TypeError, model: nn.Module, args: tuple
         + (f" (unexpected keys: {unexpected})" if unexpected else "") + f". Fix: {fix}.") from error
 
 
+def _sequence_scope(batch: Any):
+    """A split batch's attention scope (``SequenceBatch.activate``: forward, loss and backward see its
+    sequence facts), else nothing."""
+    activate = getattr(batch, "activate", None)
+    return activate() if callable(activate) and hasattr(batch, "sequence") else contextlib.nullcontext()
+
+
+def _sequence_sum(batch: Any, total: torch.Tensor, count: float) -> tuple[torch.Tensor, float]:
+    """``(total, count)`` summed over the cp ranks that hold the split sample's tokens."""
+    stat = torch.stack([total.double(), torch.tensor(count, dtype=torch.float64, device=total.device)])
+    dist.all_reduce(stat, group=batch.sequence.group)
+    return stat[0].float(), float(stat[1])
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor for reporting: a (replicated) DTensor loss, as loss parallel returns, is gathered."""
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -243,7 +257,8 @@ class TrainStep:
                  model_input_format: str | None = None, prepare_input: Callable | None = None,
                  dp_group: dist.ProcessGroup | None = None, dp_size: int = 1,
                  step_contexts: Sequence[Callable[[], Any]] = (), grad_norm_groups: Sequence[dist.ProcessGroup] = (),
-                 pre_step_hooks: Sequence[Callable[[list], None]] = (), loss_report: str = "global"):
+                 pre_step_hooks: Sequence[Callable[[list], None]] = (), loss_report: str = "global",
+                 sequence_split: Callable[[Any], Any] | None = None):
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
         self.loss_report = loss_report  # validated per call too: it is a public attribute users may set
@@ -258,6 +273,8 @@ class TrainStep:
         self.loss_scaler = loss_scaler
         self.model_input_format = model_input_format
         self.prepare_input = prepare_input or move_to_device
+        # context parallel / Ulysses: this rank's tokens of every sample (torchloom.parallel.context)
+        self.sequence_split = sequence_split
         self.dp_group = dp_group
         self.dp_size = dp_size
         self.step_contexts = list(step_contexts)  # entered around forward + loss + backward (loss_parallel)
@@ -292,7 +309,7 @@ class TrainStep:
         if self._pipeline is not None:
             return self._pipeline_call(batch)
         sync = (self.micro_step + 1) % self.grad_accum_steps == 0
-        batch = self.prepare_input(batch, self.device)
+        batch = self._prepare(batch)
         if self._two_pass:
             self._window.append(batch)
             report, reduced = self._forward_backward(batch, self._first_pass_sync(sync), report=True)
@@ -305,6 +322,11 @@ class TrainStep:
         if sync:
             self._notify_step()
         return out
+
+    def _prepare(self, batch: Any) -> Any:
+        """``prepare_input`` (to the device), then this rank's tokens under a sequence split."""
+        batch = self.prepare_input(batch, self.device)
+        return self.sequence_split(batch) if self.sequence_split is not None else batch
 
     # ------------------------------------------------------------------------------------------------ report
     def _start_report(self, stat: torch.Tensor) -> tuple[torch.Tensor, Any] | None:
@@ -333,6 +355,7 @@ class TrainStep:
         with sync_context, contextlib.ExitStack() as stack:
             for make_context in self.step_contexts:
                 stack.enter_context(make_context())
+            stack.enter_context(_sequence_scope(batch))
             output = call_model(self.model, batch, self.model_input_format)
             count_before = self._count
             loss, local, stat = self._loss(batch, output)
@@ -438,17 +461,24 @@ class TrainStep:
         if self._pipeline is not None:
             raise NotImplementedError("eval_output of a pipelined model: only the last stage holds the output; "
                                       "use eval_loss for the loss.")
-        batch = self.prepare_input(batch, self.device)
+        batch = self._prepare(batch)
         with contextlib.ExitStack() as stack, frozen_windows(self._moe):
             for make_context in self.step_contexts:
                 stack.enter_context(make_context())
+            stack.enter_context(_sequence_scope(batch))
             output = call_model(self.model, batch, self.model_input_format)
             if not with_loss:
                 return None, output
             out = self.loss_func(batch, output) if self.loss_func is not None else _output_loss(output)
             if isinstance(out, SumLoss):
-                return _local(out.total.detach()).float() / max(float(out.count), 1.0), output
-            return _local((out[0] if isinstance(out, (tuple, list)) else out).detach()).float(), output
+                total, count = _local(out.total.detach()).float(), float(out.count)
+                if hasattr(batch, "sequence"):  # a split sample: its tokens are spread over the cp ranks
+                    total, count = _sequence_sum(batch, total, count)
+                return total / max(count, 1.0), output
+            value = _local((out[0] if isinstance(out, (tuple, list)) else out).detach()).float()
+            if hasattr(batch, "sequence"):  # each cp rank's loss is cp x its share of the mean (SequenceSplitter)
+                value = _sequence_sum(batch, value, 0.0)[0] / batch.sequence.layout.cp
+            return value, output
 
     # ------------------------------------------------------------------------------------------------ pipeline
     def _pipeline_call(self, batch: Any) -> torch.Tensor:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..parallel.context.sequence import labels_preshifted
+
 __all__ = ["causal_lm_logits", "causal_lm_sum"]
 
 
@@ -46,7 +48,9 @@ def causal_lm_sum(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
         logits: ``[B, T, V]`` (or ``[N, V]`` with ``shift=False``), any float dtype; computed in fp32.
         labels: ``[B, T]`` int64 token ids, ``ignore_index`` where no loss is wanted (padding, prompt).
         shift: True (HF causal LM): ``logits[:, t]`` is scored against ``labels[:, t + 1]``. False: labels are
-            already aligned with the logits (e.g. HF's ``shift_labels``).
+            already aligned with the logits (e.g. HF's ``shift_labels``). Labels a sequence split already
+            shifted over the whole sequence (context parallel / Ulysses: ``labels_preshifted``) are never
+            shifted again.
 
     Returns:
         ``(total, count)``: fp32 0-dim sum over the valid targets (differentiable), int64 0-dim count of
@@ -58,7 +62,7 @@ def causal_lm_sum(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"SumLoss.from_hf: logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}: "
                          "the logits must be [..., V] over the same leading dimensions as the labels.")
-    if shift:
+    if shift and not labels_preshifted(labels):
         # ForCausalLMLoss: pad then drop the first label, instead of slicing the logits (no logits copy)
         labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     labels = labels.reshape(-1).to(logits.device)

@@ -5,3 +5,4 @@ from . import pipeline_parallel  # noqa: F401
 from . import expert_parallel  # noqa: F401
 from . import float8  # noqa: F401
 from . import context_parallel  # noqa: F401
+from . import ulysses  # noqa: F401

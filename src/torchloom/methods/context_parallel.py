@@ -1,5 +1,5 @@
 """`context_parallel`: every sample's sequence split over the ``cp`` mesh dimension, attention computed by ring
-attention (priced by the planner now; the method runs with issue [13]).
+attention (``torchloom.parallel.context``; docs/methods/context_parallel.md).
 
 Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; PyTorch's
 ``torch.distributed.tensor.experimental.context_parallel``, torchtitan's CP): each rank holds ``S / cp`` tokens
@@ -15,15 +15,20 @@ from dataclasses import dataclass
 
 from ..cost.effects import Collective, Effects, blocks_per_rank, dtype_bytes
 from ..errors import StrategyError
+from ..parallel.context.install import configure_degree, install
 from ..strategy.registry import Method, Stage, register_method
 
 
 @dataclass
 class ContextParallelConfig:
-    """load_balance: give each rank a front chunk and its mirrored back chunk (even causal work); without it the
-    last rank does ``(2 cp - 1) / cp`` of the mean attention work."""
+    """size: the cp degree (or ``parallel_mode``'s ``cp``). load_balance: give each rank a front chunk and its
+    mirrored back chunk (even causal work); without it the last rank does ``(2 cp - 1) / cp`` of the mean
+    attention work. causal: the mask for attention calls that pass a (rank-local) mask instead of
+    ``is_causal``: it is replaced by the global causal one (True, causal LMs) or by padding/documents only."""
 
+    size: int | None = None
     load_balance: bool = True
+    causal: bool = True
 
 
 @register_method
@@ -36,6 +41,8 @@ class ContextParallel(Method):
     stage = Stage.TENSOR + 1
     mesh_dims = ("cp",)
     requires = ("fsdp",)
+    conflicts = {"ulysses": "both split the sequence over cp; choose one",
+                 "pipeline_parallel": "a sequence split inside pipeline micro-batches is not supported yet; drop pp"}
 
     def estimate(self, info, dims, hw, step):
         """Per rank: the tokens, so every pass's FLOPs, memory-bound bytes, activations and transients, 1/cp
@@ -80,6 +87,9 @@ class ContextParallel(Method):
         cp = dims.cp
         if cp <= 1:
             return
+        if dims.pp > 1:
+            raise StrategyError(f"context_parallel with pp={dims.pp}: a sequence split inside pipeline micro-batches "
+                                "is not supported yet; drop pipeline parallelism or set cp=1.")
         if dims.ep > 1:
             raise StrategyError(f"context_parallel with ep={dims.ep}: context and expert parallelism together are "
                                 "not supported yet; choose one.")
@@ -90,9 +100,14 @@ class ContextParallel(Method):
                                 f"({'2 x ' if self.config.load_balance else ''}cp={cp} chunks); pad the sequences to "
                                 f"a multiple of {chunks} or choose another cp.")
 
+    def configure(self, ctx) -> None:
+        configure_degree(ctx, self.name, self.config.size)
+
     def apply(self, ctx) -> None:
-        raise StrategyError("context_parallel is priced by `loom plan` but cannot run yet (issue [13]); drop it "
-                            "and set cp=1.")
+        if ctx.mesh.dims.ep > 1:
+            raise StrategyError(f"context_parallel with ep={ctx.mesh.dims.ep}: context and expert parallelism together "
+                                "are not supported yet; choose one.")
+        install(ctx, method=self.name, kind="ring", load_balance=self.config.load_balance, causal=self.config.causal)
 
 
 def _attention_share(info) -> float:

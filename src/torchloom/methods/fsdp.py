@@ -171,7 +171,9 @@ class FSDP(Method):
 
     def apply(self, ctx) -> None:
         c = self.config
-        mesh = ctx.mesh["dp_replicate", "dp_shard"] if ctx.mesh.dims.dp_replicate > 1 else ctx.mesh["dp_shard"]
+        # under a sequence split (cp > 1) FSDP shards over dp_shard x cp: cp peers hold the same parameters
+        shard = ctx.mesh.shard_view
+        mesh = ctx.mesh["dp_replicate", shard] if ctx.mesh.dims.dp_replicate > 1 else ctx.mesh[shard]
         mp = MixedPrecisionPolicy()
         if ctx.autocast_dtype is not None:
             mp = MixedPrecisionPolicy(param_dtype=ctx.autocast_dtype, reduce_dtype=getattr(torch, c.reduce_dtype))
@@ -189,13 +191,13 @@ class FSDP(Method):
         expert_units = 0
         for model in ctx.model_parts:
             mine = [m for m in model.modules() if any(m is e for _, e in expert_mods)]
-            if c.sync_module_states and not ctx.on_meta and ctx.mesh.dp_size > 1:
+            if c.sync_module_states and not ctx.on_meta and ctx.mesh.degree(ctx.mesh.grad_view) > 1:
                 if not c.cpu_offload:
                     model.to(ctx.device)  # NCCL broadcasts device tensors only (fully_shard would move them anyway)
                 if expert_mods:  # experts differ across ep ranks: broadcast them over edp only
                     broadcast_states_by_group(model, ctx.mesh.group("dp"), ctx.mesh.group("edp"), expert_ids)
                 else:
-                    broadcast_module_states(model, ctx.mesh.group("dp"))
+                    broadcast_module_states(model, ctx.mesh.group(ctx.mesh.grad_view))
             # (found before fully_shard renames the experts' class; an experts class named in wrap_cls is
             # its own unit already, on edp)
             blocks = [(q, m) for q, m in find_blocks(model, c.wrap_cls) if not any(m is e for e in mine)]

@@ -20,6 +20,8 @@ _DIM_ALIASES = {
     "pipeline": "pp",
     "pipe": "pp",
     "expert": "ep",
+    "sequence": "cp",
+    "context": "cp",
 }
 
 

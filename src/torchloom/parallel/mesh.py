@@ -24,8 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..errors import StrategyError
 
-#: dimensions of the world mesh (their degrees multiply to the world size)
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+#: dimensions of the world mesh (their degrees multiply to the world size); ``cp`` (the sequence split of
+#: context parallelism / Ulysses) between ``dp_shard`` and ``tp``, torchtitan's order
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 #: views carved out of ``dp`` for expert parallelism: ``edp x ep`` = ``dp``
 EXPERT_VIEWS = ("edp", "ep")
 
@@ -37,8 +38,8 @@ class ParallelDims:
     ``pp x dp_replicate x dp_shard x cp x tp`` = world size; ``ep`` is not a factor of the world but a divisor of
     ``dp`` (= dp_replicate x dp_shard): expert peers are data-parallel ranks (see the module docstring).
     ``cp`` (context parallel: each sample's sequence split over ``cp`` ranks, between ``dp_shard`` and ``tp``
-    in the layout, as torchtitan orders it) is priced by the planner; a live mesh refuses ``cp > 1`` until
-    the method runs (issue [13]).
+    in the layout, as torchtitan orders it) is set by ``context_parallel`` / ``ulysses``; cp peers read the same
+    samples (``dp`` excludes ``cp``) and reduce gradients together (the ``dp_cp`` / ``dp_shard_cp`` views).
     """
 
     pp: int = 1
@@ -131,15 +132,15 @@ class ParallelMesh:
     def __init__(self, dims: ParallelDims, device_type: str = "cpu"):
         world = dist.get_world_size()
         self.dims = dims.resolve(world)
-        if self.dims.cp > 1:
-            raise StrategyError(f"context parallelism (cp={self.dims.cp}) is priced by `loom plan` but cannot run "
-                                "yet: the context_parallel method lands with issue [13]. Set cp=1 (split long "
-                                "sequences with activation checkpointing or tensor/pipeline parallelism for now).")
         self.device_type = device_type
         shape = tuple(getattr(self.dims, n) for n in DIM_NAMES)
         self.world: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
         self._flat: dict[str, DeviceMesh] = {}
+        self._groups: dict[str, dist.ProcessGroup] = {}
         self._flat["dp"] = self.world["dp_replicate", "dp_shard"]._flatten("dp")
+        if self.dims.cp > 1:  # what gradients are reduced over (dp_cp) and FSDP shards over (dp_shard_cp)
+            self._flat["dp_cp"] = self.world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+            self._flat["dp_shard_cp"] = self.world["dp_shard", "cp"]._flatten("dp_shard_cp")
 
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
         if isinstance(name, str) and name in self._flat:
@@ -151,7 +152,8 @@ class ParallelMesh:
             return self.world[name]
         except (KeyError, RuntimeError, ValueError) as e:
             raise StrategyError(
-                f"no mesh dimension {name!r}; valid: {list(DIM_NAMES) + ['dp', *EXPERT_VIEWS, 'sparse']}") from e
+                f"no mesh dimension {name!r}; valid: {list(DIM_NAMES) + ['dp', *EXPERT_VIEWS, 'sparse']}"
+                + (" (dp_cp and dp_shard_cp exist when cp > 1)" if self.dims.cp == 1 else "")) from e
 
     def _sparse(self) -> DeviceMesh:
         """The ``(edp, ep)`` mesh: ``dp`` unflattened (``ep`` innermost). Built once; a collective call."""
@@ -159,8 +161,38 @@ class ParallelMesh:
             self._flat["sparse"] = self._flat["dp"]._unflatten(0, (self.dims.edp, self.dims.ep), EXPERT_VIEWS)
         return self._flat["sparse"]
 
+    def sequence_group(self) -> dist.ProcessGroup:
+        """A process group of this rank's cp peers of its own, for the sequence split's ring sends and
+        all-to-alls. Not ``mesh.group("cp")``: a mesh dimension spanning the whole world reuses the default
+        group, where FSDP's asynchronous all-gathers run on gloo's work thread while the ring's point-to-point
+        messages go over the same connections, and a receive can match another operation's message (gloo:
+        "Received data size doesn't match expected size"). Built once; a collective call (every rank creates
+        every cp group, in the same order)."""
+        if "cp_ring" not in self._groups:
+            names = self.world.mesh_dim_names
+            grid = self.world.mesh.movedim(names.index("cp"), -1).reshape(-1, self.dims.cp)
+            me = dist.get_rank()
+            for ranks in grid.tolist():
+                group = dist.new_group(ranks)
+                if me in ranks:
+                    self._groups["cp_ring"] = group
+        return self._groups["cp_ring"]
+
     def degree(self, name: str) -> int:
-        return {"dp": self.dims.dp, "edp": self.dims.edp}.get(name) or getattr(self.dims, name)
+        d = self.dims
+        return {"dp": d.dp, "edp": d.edp, "dp_cp": d.dp * d.cp, "dp_shard_cp": d.dp_shard * d.cp}.get(name) \
+            or getattr(d, name)
+
+    @property
+    def grad_view(self) -> str:
+        """The view gradients (and the loss's token counts) are reduced over: ``dp``, or ``dp_cp`` under a
+        sequence split (cp peers hold the same parameters and different tokens of the same samples)."""
+        return "dp_cp" if self.dims.cp > 1 else "dp"
+
+    @property
+    def shard_view(self) -> str:
+        """The view FSDP shards over: ``dp_shard``, or ``dp_shard_cp`` under a sequence split (torchtitan)."""
+        return "dp_shard_cp" if self.dims.cp > 1 else "dp_shard"
 
     def group(self, name: str) -> dist.ProcessGroup:
         """The process group of one dimension (or ``"dp"``)."""

@@ -217,6 +217,12 @@ class ParallelConfig:
         ``model.moe.num_experts``.
     pp_schedule: gpipe, 1f1b, interleaved_1f1b or zero_bubble. pp_microbatches: pipeline micro-batches per
     train step (None = the number of stages).
+    cp: context-parallel degree: every sample's ``model.seq_len`` tokens split over ``cp`` ranks, attention by
+        ring attention (adds ``context_parallel``; docs/methods/context_parallel.md). ``model.seq_len`` must be
+        a multiple of ``2 x cp``.
+    ulysses: the same split with DeepSpeed-Ulysses all-to-all attention (adds ``ulysses``); must divide
+        ``model.num_heads`` and ``model.num_kv_heads`` (per tp rank) and ``model.seq_len``. One of cp/ulysses.
+    A sequence split runs under fsdp (a plain ``ddp`` becomes replicating fsdp, as with tp).
     """
 
     tp: int = 1
@@ -228,6 +234,8 @@ class ParallelConfig:
     ep: int = 1
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None
+    cp: int = 1
+    ulysses: int = 1
 
 
 @dataclass
@@ -489,7 +497,10 @@ class TrainConfig:
             raise ConfigError("search.model_factory cannot be set in a config: the job builds its model itself.")
         fixed = dict(opts.get("fixed") or {})
         p = self.parallel
-        pinned = {k: v for k, v in (("tp", p.tp), ("pp", p.pp), ("ep", p.ep)) if v != 1}
+        if p.ulysses != 1:
+            raise ConfigError("parallel.ulysses with strategy auto: the search does not choose Ulysses; give a "
+                              "strategy (e.g. [fsdp]) or use parallel.cp (context parallel, which the search prices).")
+        pinned = {k: v for k, v in (("tp", p.tp), ("pp", p.pp), ("ep", p.ep), ("cp", p.cp)) if v != 1}
         pinned.update({k: getattr(p, k) for k in ("dp_replicate", "dp_shard") if getattr(p, k) is not None})
         if self.train.micro_batch is not None:
             pinned["micro_batch"] = self.train.micro_batch
@@ -515,19 +526,23 @@ class TrainConfig:
         p = self.parallel
         if self.is_auto:
             return "auto"  # type: ignore[return-value]
-        for k in ("tp", "pp", "ep", "dp_replicate", "dp_shard", "pp_microbatches"):
+        for k in ("tp", "pp", "ep", "cp", "ulysses", "dp_replicate", "dp_shard", "pp_microbatches"):
             v = getattr(p, k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"parallel.{k}={v!r} must be a positive integer" + (
-                    "" if k in ("tp", "pp", "ep") else " or null") + ".")
+                    "" if k in ("tp", "pp", "ep", "cp", "ulysses") else " or null") + ".")
+        split = self._check_sequence_split()
         if (p.sequence_parallel or p.loss_parallel) and p.tp == 1:
             raise ConfigError("parallel.sequence_parallel/loss_parallel shard over the tensor-parallel ranks: set "
                               "parallel.tp > 1 as well.")
         dims = {k: getattr(p, k) for k in ("pp", "dp_replicate", "dp_shard", "tp", "ep")
                 if getattr(p, k) is not None and getattr(p, k) != 1}
+        if split is not None:
+            dims["cp"] = split[1]
         from ..strategy.data_parallel import swap_ddp_for_fsdp
 
-        strategy, swapped = swap_ddp_for_fsdp(self.strategy, tensor_parallel=p.tp > 1)
+        # ddp cannot hold tp's DTensors, and a sequence split reduces gradients over dp x cp with fsdp
+        strategy, swapped = swap_ddp_for_fsdp(self.strategy, tensor_parallel=p.tp > 1 or split is not None)
         if swapped:
             if p.dp_shard is None:  # replicate, as DDP does: dp_replicate takes the rest of the world
                 dims["dp_shard"] = 1
@@ -545,10 +560,43 @@ class TrainConfig:
             out.append("tensor_parallel")
         if p.ep > 1 and "expert_parallel" not in names:
             out.append("expert_parallel")
+        if split is not None and split[0] not in names:
+            out.append(split[0])
+            if not any(n in ("fsdp", "zero2", "zero3", "fsdp2") for n in names):
+                raise ConfigError(f"parallel.{'cp' if split[0] == 'context_parallel' else 'ulysses'} splits the sequence "
+                                  "and needs fsdp in strategy (FSDP shards over dp_shard x cp and reduces gradients "
+                                  f"over the cp ranks); strategy is {self.strategy}: add fsdp.")
         for flag in ("sequence_parallel", "loss_parallel"):
             if getattr(p, flag) and flag not in names:
                 out.append(flag)
         return out + strategy
+
+    def _check_sequence_split(self) -> tuple[str, int] | None:
+        """``(method, degree)`` of ``parallel.cp`` / ``parallel.ulysses``, or None; checked against the model
+        here, before any process starts.
+
+        Raises:
+            ConfigError: both set, a sequence the chunks do not divide, or (Ulysses) heads cp does not divide.
+        """
+        p, m = self.parallel, self.model
+        if p.cp > 1 and p.ulysses > 1:
+            raise ConfigError(f"parallel.cp={p.cp} and parallel.ulysses={p.ulysses} both split the sequence; set one.")
+        if p.cp > 1:
+            if m.seq_len % (2 * p.cp):
+                raise ConfigError(f"parallel.cp={p.cp}: model.seq_len={m.seq_len} must be a multiple of 2 x cp = "
+                                  f"{2 * p.cp} (ring attention's load-balanced chunks); set model.seq_len to a multiple.")
+            return "context_parallel", p.cp
+        if p.ulysses > 1:
+            u = p.ulysses
+            for what, n in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),
+                            ("model.seq_len", m.seq_len)):
+                per = n // p.tp if what != "model.seq_len" else n
+                if per % u:
+                    raise ConfigError(f"parallel.ulysses={u} does not divide {what}={n}"
+                                      + (f" per tp rank ({per})" if what != "model.seq_len" and p.tp > 1 else "")
+                                      + "; choose a divisor, or parallel.cp (ring attention has no head limit).")
+            return "ulysses", u
+        return None
 
     def ddp_swapped_for_fsdp(self) -> bool:
         """True when :meth:`full_strategy` runs ``fsdp`` in place of the ``ddp`` written in ``strategy``.

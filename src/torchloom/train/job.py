@@ -63,11 +63,11 @@ def causal_lm_loss(batch: dict[str, torch.Tensor], output: Any):
     :class:`torchloom.SumLoss`, so gradient accumulation and data parallelism normalise exactly."""
     from torchloom import SumLoss
 
-    logits = output.logits if hasattr(output, "logits") else output[0]
-    labels = batch["labels"][:, 1:].reshape(-1)
-    logits = logits[:, :-1, :].reshape(-1, logits.shape[-1]).float()
-    total = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-    return SumLoss(total, (labels != -100).sum())
+    from torchloom.hf.loss import causal_lm_logits, causal_lm_sum
+
+    # (causal_lm_sum does not shift labels a sequence split already shifted over the whole sequence)
+    total, count = causal_lm_sum(causal_lm_logits(output), batch["labels"], ignore_index=-100)
+    return SumLoss(total, count)
 
 
 class CausalLMLoss:

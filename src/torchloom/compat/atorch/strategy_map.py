@@ -20,7 +20,7 @@ _DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", torch.float16: "float16",
                 "float16": "float16", "bfloat16": "bfloat16"}
 # ATorch parallel_mode dimension names torchloom's parallel_mode reads (torchloom/methods/parallel_mode.py)
 _PARALLEL_DIMS = ("data", "tensor", "model", "pipeline", "pipe", "zero", "fsdp", "shard", "replicate", "expert",
-                  "expert_fsdp")
+                  "expert_fsdp", "sequence")
 #: ATorch's expert groups (atorch.modules.moe / create_parallel_group([("expert", ep), ("expert_fsdp", edp)])):
 #: ep is carved out of the data-parallel ranks (ep x edp = data), so these are not factors of the world size
 EXPERT_DIMS = ("expert", "expert_fsdp")
@@ -230,6 +230,28 @@ def _mixed_precision(name: str, mp) -> dict:
     return {"reduce_dtype": _dtype_name(rd, f"{name} mixed_precision reduce_dtype")}
 
 
+def _sequence_parallel(config, t: Translation) -> None:
+    """ATorch's ``sequence_parallel`` is Ulysses-style (an all-to-all that swaps the sequence shard for a head
+    shard around attention): torchloom's ``ulysses`` method. Its degree comes from the config (``size``,
+    ``sp_size``, ``sequence_parallel_size``) or from parallel_mode's ``("sequence", n)``."""
+    c = {} if config is None else dict(_check_dict("sequence_parallel", config))
+    size = None
+    for key in ("size", "sp_size", "sequence_parallel_size", "degree"):
+        if key in c:
+            size = int(c.pop(key))
+    causal = c.pop("causal", True)
+    split_fn = c.pop("batch_sp_processing_fn", None)
+    _reject_unknown("sequence_parallel", c, {"size", "sp_size", "causal", "batch_sp_processing_fn"},
+                    "give its degree as size (or ('sequence', n) in parallel_mode).")
+    if split_fn is not None:
+        t.notes.append("sequence_parallel: batch_sp_processing_fn is not called: torchloom splits every mapping batch "
+                       "itself (labels shifted over the whole sequence first, position ids kept global; "
+                       "docs/methods/context_parallel.md)")
+    t.methods.append(("ulysses", {**({"size": size} if size is not None else {}), "causal": bool(causal)}))
+    t.notes.append("sequence_parallel: Ulysses all-to-all sequence parallelism (torchloom's ulysses method; "
+                   "FSDP shards over data x sequence)")
+
+
 def _zero1(config, t: Translation) -> None:
     c = _check_dict("zero1", config)
     if c.get("use_ds_zero"):
@@ -292,8 +314,6 @@ _UNSUPPORTED = {
     "fp8": "use ('amp_native', {'dtype': 'bf16'})",
     "mixed_parallel": "use parallel_mode with tensor_parallel and pipeline_parallel",
     "deepspeed_3d_parallel": "use parallel_mode with tensor_parallel, pipeline_parallel and fsdp",
-    "sequence_parallel": "use torchloom's native strategy ['tensor_parallel', 'sequence_parallel'] "
-                         "(Megatron-style, not ATorch's Ulysses all-to-all)",
     "ds_zero": "use zero2 or fsdp",
 }
 
@@ -344,12 +364,15 @@ def translate(strategy, world_size: int) -> Translation:
                     f"ATorch {name} config {config!r:.80} is not supported: give ('{name}', None) with its degree in "
                     "parallel_mode; torchloom plans the split itself (docs/methods/).")
             t.methods.append(name)
+        elif name == "sequence_parallel":
+            _sequence_parallel(config, t)
         elif name in _UNSUPPORTED:
             raise StrategyError(f"ATorch method '{name}' is not supported by torchloom.compat.atorch: "
                                 f"{_UNSUPPORTED[name]}.")
         else:
             raise StrategyError(
                 f"unknown ATorch method '{name}'. Supported: parallel_mode, amp_native, half, checkpoint, fsdp, "
-                "fsdp2, zero1, zero2, auto_ddp, module_replace, native_dynamo, tensor_parallel, pipeline_parallel."
+                "fsdp2, zero1, zero2, auto_ddp, module_replace, native_dynamo, tensor_parallel, pipeline_parallel, "
+                "sequence_parallel."
             )
     return t

@@ -1,0 +1,91 @@
+"""Installing a sequence split on an :class:`~torchloom.context.AccelContext` (shared by the
+``context_parallel`` and ``ulysses`` methods)."""
+from __future__ import annotations
+
+from ...errors import StrategyError
+from .dispatch import sequence_attention
+from .split import SequenceSplitter
+
+
+def configure_degree(ctx, method: str, size: int | None) -> None:
+    """Set ``ctx.dims.cp`` from the method's ``size`` or ``parallel_mode``'s ``cp`` (one of them, or equal).
+
+    Raises:
+        StrategyError: both given and different, or neither.
+    """
+    mode = ctx.strategy.config("parallel_mode")
+    given = getattr(mode, "cp", None) if mode is not None else None
+    if size is not None and given is not None and size != given:
+        raise StrategyError(f"{method}: size={size} but parallel_mode sets cp={given}; give the degree once.")
+    degree = size if size is not None else given
+    if degree is None:
+        raise StrategyError(f"{method} needs its degree: ('{method}', {{'size': 2}}) or ('parallel_mode', {{'cp': 2}}).")
+    ctx.dims.cp = degree
+
+
+def use_sdpa_attention(model) -> str | None:
+    """Switch a Hugging Face model to its SDPA attention (the implementation the split routes); returns the
+    implementation it had when it was another one, else None."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if config is None or impl in (None, "sdpa"):
+        return None
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter("sdpa")
+    else:
+        config._attn_implementation = "sdpa"
+    return impl
+
+
+def attention_window(model) -> tuple[int | None, bool]:
+    """``(window, every_layer)`` of a Hugging Face model's sliding-window attention (a query sees the keys less
+    than ``window`` tokens back, HF's ``sliding_window_overlay``), or ``(None, True)`` without one.
+    ``every_layer`` is False when only some layers slide (``config.layer_types`` mixed)."""
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None) if config is not None else None
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None, True
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return int(window), True
+    sliding = [t == "sliding_attention" for t in types]
+    if not any(sliding):
+        return None, True
+    return int(window), all(sliding)
+
+
+def check_model(model, method: str) -> None:
+    """Refuse model settings the split cannot compute exactly: attention dropout."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "attention_dropout", 0.0):
+        raise StrategyError(f"{method}: the model has attention_dropout={config.attention_dropout}; attention dropout "
+                            "is not supported under a sequence split. Set config.attention_dropout = 0.")
+
+
+def install(ctx, *, method: str, kind: str, load_balance: bool, causal: bool) -> None:
+    """Give ``ctx`` the split: ``ctx.sequence_split`` (TrainStep splits every batch) and the SDPA routing
+    around forward, loss and backward (``ctx.step_contexts``)."""
+    cp = ctx.mesh.dims.cp
+    if cp == 1:
+        ctx.note(f"{method}: cp=1, nothing to split")
+        return
+    if ctx.sequence_split is not None:
+        raise StrategyError(f"{method}: another method already splits the sequence; use one of context_parallel "
+                            "and ulysses.")
+    model = ctx.model
+    check_model(model, method)
+    window, every_layer = attention_window(model)
+    old = use_sdpa_attention(model)
+    if old is not None:
+        ctx.note(f"{method}: attention implementation {old!r} switched to 'sdpa' (the split routes SDPA calls)")
+    group = ctx.mesh.sequence_group()  # its own connections: FSDP's async collectives run beside the ring
+    rank = ctx.mesh["cp"].get_local_rank()
+    ctx.sequence_split = SequenceSplitter(group=group, cp=cp, rank=rank, kind=kind, load_balance=load_balance,
+                                          causal=causal, model=model, window=window,
+                                          window_every_layer=every_layer)
+    ctx.step_contexts.append(sequence_attention)
+    layout = "load-balanced zigzag chunks" if load_balance else "contiguous chunks"
+    ctx.note(f"{method}: every sample's sequence split over cp={cp} ({layout}); attention by "
+             f"{'ring attention' if kind == 'ring' else 'Ulysses all-to-all'}; FSDP shards over dp_shard x cp and "
+             "gradients reduce over dp x cp")

@@ -1,0 +1,165 @@
+"""`SequenceSplitter`: one micro-batch in, this cp rank's tokens of every sample out (docs/methods/
+context_parallel.md, "What the split does to a batch")."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .layout import SequenceLayout
+from .sequence import SequenceInfo, activate
+
+IGNORE_INDEX = -100
+
+
+class SequenceBatch(dict):
+    """A split micro-batch: a plain mapping for ``model(**batch)`` with its :class:`SequenceInfo` attached
+    (``.sequence``); ``train_step`` makes it active around forward, loss and backward (:meth:`activate`)."""
+
+    sequence: SequenceInfo
+
+    @contextlib.contextmanager
+    def activate(self):
+        """Make this batch's :class:`SequenceInfo` active; on a clean exit, raise if the model made no
+        attention call through the split (it computes attention in a way the split cannot see: every rank
+        would attend within its own tokens only)."""
+        info = self.sequence
+        start = info.calls
+        with activate(info):
+            yield info
+        if info.calls == start:
+            raise RuntimeError(
+                f"sequence split ({info.kind}, cp={info.layout.cp}): the model made no attention call through "
+                "torch.nn.functional.scaled_dot_product_attention, so each rank attended only within its own tokens "
+                "(a silent wrong result). Use an SDPA attention (Hugging Face: attn_implementation='sdpa'), or call "
+                "torch.nn.functional.scaled_dot_product_attention at run time rather than a reference bound at import.")
+
+
+def forward_parameters(model: torch.nn.Module) -> tuple[set[str], bool]:
+    """The keyword names ``model.forward`` accepts and whether it takes ``**kwargs``."""
+    params = inspect.signature(model.forward).parameters.values()
+    return ({p.name for p in params}, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params))
+
+
+class SequenceSplitter:
+    """Split mapping batches (``model(**batch)``, Hugging Face style) over the cp ranks.
+
+    For a batch with ``input_ids`` (or ``inputs_embeds``) ``[B, S]``:
+
+    * every tensor whose first two dims are ``[B, S]`` is cut to this rank's tokens (:class:`SequenceLayout`);
+    * ``labels`` are shifted left over the whole sequence first (``labels[t + 1]``; the last token gets
+      ``-100``), because the target of a rank's last token lives on another rank; the shifted shard is passed
+      as ``labels`` and, when the forward takes it, as ``shift_labels`` (HF's ``ForCausalLMLoss`` then does
+      not shift again), with ``num_items_in_batch`` = the sample batch's target count / cp, so a model's own
+      loss (a sum over the rank's tokens divided by it) averages over cp to the exact global per-token mean.
+      Loss functions that shift themselves must not shift these labels: ``SumLoss.from_hf`` and
+      ``torchloom.hf.loss.causal_lm_sum`` detect them (``labels_preshifted``);
+    * ``position_ids`` are kept global (added when missing: RoPE sees true positions); a position restart
+      (``position_ids[t] != position_ids[t - 1] + 1``, HF's packed-sequence convention) starts a new
+      document, and attention never crosses documents;
+    * a 2-D ``attention_mask`` (1 = token, 0 = padding) is removed from the batch and becomes key padding in
+      the :class:`SequenceInfo` (a model would build its mask from its local tokens only).
+
+    Args:
+        group: the cp process group.
+        kind: ``"ring"`` or ``"ulysses"``.
+        load_balance: zigzag chunks (ring's causal load balancing); Ulysses needs contiguous ones.
+        causal: the mask for attention calls that pass one (see :class:`SequenceInfo`).
+        model: its ``forward`` signature decides which of ``position_ids``, ``shift_labels`` and
+            ``num_items_in_batch`` are passed.
+        window: sliding-window attention (a query sees keys less than ``window`` tokens back), or None.
+        window_every_layer: False when only some layers slide: then a sequence longer than the window is
+            refused (an attention call does not say which layer it is).
+
+    Raises (when called):
+        TypeError: the batch is not a mapping with ``input_ids``/``inputs_embeds``.
+        ValueError: a padding mask that is not ``[B, S]``, or a model without ``position_ids``.
+        StrategyError: a sequence length the chunks do not divide (the fix named).
+    """
+
+    def __init__(self, *, group, cp: int, rank: int, kind: str = "ring", load_balance: bool = True,
+                 causal: bool = True, model: torch.nn.Module | None = None, window: int | None = None,
+                 window_every_layer: bool = True):
+        self.layout = SequenceLayout(cp, rank, load_balance)
+        self.group, self.kind, self.causal = group, kind, causal
+        self.window, self.window_every_layer = window, window_every_layer
+        self._names, self._any = forward_parameters(model) if model is not None else (set(), True)
+        config = getattr(model, "config", None)
+        heads = getattr(config, "num_attention_heads", None)
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        self.kv_groups = heads // kv if heads and kv and heads % kv == 0 else 1
+
+    def accepts(self, name: str) -> bool:
+        return self._any or name in self._names
+
+    def __call__(self, batch: Any) -> SequenceBatch:
+        if isinstance(batch, SequenceBatch):
+            return batch  # already split (a replayed window)
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"sequence split (cp={self.layout.cp}) needs mapping batches passed as model(**batch) with input_ids "
+                f"(model_input_format='unpack_dict'), got {type(batch).__name__}.")
+        ids = batch.get("input_ids", batch.get("inputs_embeds"))
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+            raise TypeError("sequence split: the batch has no input_ids/inputs_embeds [batch, seq] tensor; name the "
+                            f"token ids 'input_ids' (got keys {sorted(batch)}).")
+        b, s = ids.shape[:2]
+        self.layout.check(s)
+        if self.window and not self.window_every_layer and s > self.window:
+            raise ValueError(f"sequence split: {s} tokens exceed the sliding window ({self.window}) that only some of "
+                             "the model's layers use; the split applies one mask to every layer. Use sequences of at "
+                             "most the window, or one attention type for every layer.")
+        lay, dev = self.layout, ids.device
+        pos = batch.get("position_ids")
+        document = None
+        if pos is not None:
+            pos = pos.expand(b, s) if pos.dim() == 1 or pos.shape[0] == 1 else pos
+            docs = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+            if bool((docs[:, -1] != 0).any()):
+                document = docs
+        else:
+            if not self.accepts("position_ids"):
+                raise ValueError("sequence split: the model's forward takes no position_ids, so each rank would number "
+                                 "its tokens from 0; under cp every token needs its global position.")
+            pos = torch.arange(s, device=dev).expand(b, s)
+        valid = None
+        am = batch.get("attention_mask")
+        if am is not None:
+            if not isinstance(am, torch.Tensor) or tuple(am.shape) != (b, s):
+                raise ValueError(f"sequence split: attention_mask must be the [batch, seq] = [{b}, {s}] padding mask "
+                                 f"(1 = token, 0 = padding), got {getattr(am, 'shape', type(am))}; 4-D masks cannot "
+                                 "be split (pass position_ids restarts for packed documents instead).")
+            if not bool(am.bool().all()):
+                valid = am.bool()
+        out: dict[str, Any] = {}
+        shifted = None
+        for k, t in batch.items():
+            if k == "attention_mask":
+                continue
+            if k == "labels" and isinstance(t, torch.Tensor):
+                shifted = lay.shard(F.pad(t[:, 1:], (0, 1), value=IGNORE_INDEX))
+                out[k] = shifted
+            elif k == "position_ids":
+                out[k] = lay.shard(pos)
+            elif isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[:2]) == (b, s):
+                out[k] = lay.shard(t)
+            else:
+                out[k] = t
+        if "position_ids" not in out:
+            out["position_ids"] = lay.shard(pos)
+        if shifted is not None:
+            if self.accepts("shift_labels"):
+                out["shift_labels"] = shifted
+            if self.accepts("num_items_in_batch"):
+                count = (F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX) != IGNORE_INDEX).sum()
+                out["num_items_in_batch"] = count.clamp(min=1).float() / lay.cp
+        sb = SequenceBatch(out)
+        sb.sequence = SequenceInfo(lay, s, b, document=document, valid=valid, kind=self.kind, group=self.group,
+                                   causal=self.causal, shifted_labels=shifted,
+                                   window=self.window if self.window_every_layer else None,
+                                   kv_groups=self.kv_groups)
+        return sb
