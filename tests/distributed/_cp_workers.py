@@ -191,3 +191,8 @@ def train_cases(cases: list[dict]) -> list[dict]:
                     "dparam": max((params[k] - ref_params[k]).abs().max().item() for k in ref_params),
                     "losses": losses, "ref_losses": ref_losses, "notes": res.notes})
     return out
+
+
+def suite(attn: list[dict], training: list[dict]) -> dict:
+    """Attention cases and training cases in one launch (a launch costs seconds)."""
+    return {"attention": attention_cases(attn), "training": train_cases(training)}

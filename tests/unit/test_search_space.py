@@ -397,7 +397,7 @@ def test_context_parallel_is_searched_for_long_sequences_only():
     short = toy_info()
     long = dataclasses.replace(toy_info(), seq_len=CP_MIN_SEQ)
     assert not [c for c in enumerate_space(short, 8, 8, SearchOptions(), context_parallel=True).bases if c.dims.cp > 1]
-    # a search whose plan is applied (strategy="auto") leaves cp out until it runs (issue [13])
+    # a search whose plan is applied (strategy="auto") leaves cp out (its confirming runs are short sequences)
     assert not [c for c in enumerate_space(long, 8, 8, SearchOptions()).bases if c.dims.cp > 1]
     cps = [c for c in enumerate_space(long, 8, 8, SearchOptions(), context_parallel=True).bases if c.dims.cp > 1]
     assert {c.dims.cp for c in cps} == {2, 4, 8}
