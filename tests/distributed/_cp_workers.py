@@ -85,6 +85,12 @@ def attention_cases(cases: list[dict]) -> list[dict]:
                 for name, got, want in (("out", o.detach(), ref[0]), ("dq", ql.grad, ref[1]),
                                         ("dk", kl.grad, ref[2]), ("dv", vl.grad, ref[3]))}
         errs["finite"] = bool(torch.isfinite(o).all() and torch.isfinite(ql.grad).all())
+        if dtype != torch.float32:  # the same inputs through PyTorch's SDPA on one process, for scale
+            qb, kb, vb = (t.detach().requires_grad_() for t in (q, k, v))
+            ob = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=c["causal"], enable_gqa=True)
+            ob.backward(do)
+            errs["sdpa"] = max((got.double() - want).abs().max().item()
+                               for got, want in ((ob, ref[0]), (qb.grad, ref[1]), (kb.grad, ref[2]), (vb.grad, ref[3])))
         out.append(errs)
     return out
 

@@ -58,7 +58,9 @@ def _train(res, start: int, end: int, save_at=(), root: str | None = None) -> li
     loss, ids = torch.zeros(()), []
     while step < end:
         for batch in res.dataloader:
-            ids += batch.pop("idx").tolist()
+            idx = batch.pop("idx").tolist()
+            # cp peers read the same samples: count them once (on the first rank of each cp group)
+            ids += idx if res.mesh.dims.cp == 1 or res.mesh["cp"].get_local_rank() == 0 else []
             loss += res.train_step(batch)
             k += 1
             if k < res.grad_accum_steps:

@@ -4,7 +4,8 @@
 Attention (``tests/distributed/_cp_workers.attention_cases``): each rank's output and q/k/v gradient shards
 against a float64 whole-sequence reference with independently built masks (causal or not, key padding with
 rows that see no key, packed documents, GQA): max abs error <= 5e-6 in fp32 (the reference differs only by
-fp32 rounding of the blockwise sums), 2e-2 in bf16 inputs.
+fp32 rounding of the blockwise sums); with bf16 inputs at most 3x the error of PyTorch's own bf16 SDPA on the
+whole sequence in one process (each block's output is rounded to bf16 by the fused kernel before the merge).
 Training (``train_cases``): 3 SGD + momentum steps of tiny HF models (global batch 8, 16 tokens) under a
 strategy with cp, beside the same model trained in one process: losses within 2e-6, parameters within 1e-6
 (fp32; the order of sums differs); bf16 amp within 5e-4 / 5e-4 of the bf16-autocast reference.
@@ -33,6 +34,7 @@ ATTN_2 = {**ATTN, "ring_gqa_contiguous": dict(kind="ring", causal=True, load_bal
           "ring_bf16": dict(kind="ring", causal=True, dtype=torch.bfloat16)}
 ATTN_4 = {k: v for k, v in ATTN.items() if k.endswith("both") or k.endswith("plain")}
 ATTN_4["ring_gqa"] = dict(kind="ring", causal=True, hkv=2)
+ATTN_4["ring_bf16"] = dict(kind="ring", causal=True, dtype=torch.bfloat16)
 
 TRAIN_2 = {
     "cp": dict(strategy=CP2),
@@ -65,8 +67,8 @@ def results(world: int) -> dict:
 
 @pytest.mark.parametrize("world,name", [(2, k) for k in ATTN_2] + [(4, k) for k in ATTN_4])
 def test_attention_matches_whole_sequence(world, name):
-    tol = 2e-2 if "bf16" in name else 5e-6
     for rank, errs in enumerate(results(world)["attention"][name]):
+        tol = 3 * errs["sdpa"] if "bf16" in name else 5e-6
         assert errs["finite"], (name, rank)
         for key in ("out", "dq", "dk", "dv"):
             assert errs[key] <= tol, (name, rank, key, errs[key])

@@ -1,7 +1,8 @@
 """Resharding: a checkpoint saved under one strategy and world size resumes under another.
 
 Scenarios (source -> target): 4-rank ZeRO-3 -> 2-rank ZeRO-2, 4-rank ZeRO-3 -> 3-rank DDP, 2-rank DDP ->
-4-rank FSDP, HSDP 2x2 -> 2-rank FSDP, 4-rank ZeRO-1 -> 2-rank FSDP. The global batch is 12 everywhere
+4-rank FSDP, HSDP 2x2 -> 2-rank FSDP, 4-rank ZeRO-1 -> 2-rank FSDP; context parallel: 4-rank dp_shard 2 x cp 2
+-> 4-rank cp 4 and -> 2-rank FSDP without cp, 4-rank ZeRO-3 -> 2-rank cp 2. The global batch is 12 everywhere
 (divisible by 2, 3 and 4); the micro batch is fixed per run, so gradient accumulation changes with the dp
 size (e.g. 1 on 4 ranks x 3, 2 on 2 ranks x 3, 2 on 3 ranks x 2). Each source trains 6 steps and saves
 after step 3 (uninterrupted run); each target starts from *other* weights, loads that checkpoint through
@@ -33,6 +34,13 @@ SCENARIOS = {  # target name: (source name, target world size)
     "hsdp_to_fsdp2": ("hsdp", 2),
     "zero1_to_fsdp2": ("zero1", 2),
 }
+#: context parallelism: cp peers read the same samples, so resharding across cp changes no data position
+CP_SCENARIOS = {  # target: (source, world, accumulation steps)
+    "cp2_to_cp4": ("cp2", 4, 4),        # dp_shard 2 x cp 2 -> cp 4 (dp 1)
+    "cp2_to_fsdp2": ("cp2", 2, 2),      # -> no cp
+    "zero3_to_cp2": ("zero3", 2, 4),    # no cp -> cp 2 (dp 1)
+}
+CP = lambda **d: [("parallel_mode", d), "context_parallel", "fsdp"]  # noqa: E731
 
 
 def job(name, strategy, micro, load=None):
@@ -50,10 +58,12 @@ def runs(tmp_path_factory):
     hsdp = [("parallel_mode", {"dp_replicate": 2, "dp_shard": 2}), "fsdp"]
     out = {}
     for world, jobs in (
-        (4, [job("zero3", ["zero3"], 3), job("hsdp", hsdp, 3), job("zero1", ["zero1"], 3)]),
+        (4, [job("zero3", ["zero3"], 3), job("hsdp", hsdp, 3), job("zero1", ["zero1"], 3),
+             job("cp2", CP(dp_shard=2, cp=2), 3)]),
         (2, [job("zero3_to_zero2", ["zero2"], 3, "zero3"), job("hsdp_to_fsdp2", ["fsdp"], 3, "hsdp"),
-             job("zero1_to_fsdp2", ["fsdp"], 3, "zero1"), job("ddp2", ["ddp"], 3)]),
-        (4, [job("ddp2_to_fsdp4", ["fsdp"], 3, "ddp2")]),
+             job("zero1_to_fsdp2", ["fsdp"], 3, "zero1"), job("ddp2", ["ddp"], 3),
+             job("cp2_to_fsdp2", ["fsdp"], 3, "cp2"), job("zero3_to_cp2", CP(cp=2), 3, "zero3")]),
+        (4, [job("ddp2_to_fsdp4", ["fsdp"], 3, "ddp2"), job("cp2_to_cp4", CP(cp=4), 3, "cp2")]),
         (3, [job("zero3_to_ddp3", ["ddp"], 2, "zero3")]),
     ):
         results = run_ranks(run_jobs, world, tmp, jobs, timeout=600)
@@ -81,12 +91,16 @@ def test_runs_use_the_intended_layouts(runs):
     assert runs["zero3"]["accum"] == 1 and runs["ddp2"]["accum"] == 2
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("name", sorted(SCENARIOS) + sorted(CP_SCENARIOS))
 def test_resume_under_another_strategy_and_world_size(runs, name):
-    src_name, world = SCENARIOS[name]
+    src_name, world = SCENARIOS[name] if name in SCENARIOS else CP_SCENARIOS[name][:2]
     src, tgt = runs[src_name], runs[name]
     assert tgt["world"] == world
-    assert tgt["accum"] == G // (world * (2 if world == 3 else 3))  # global batch held, accumulation adjusted
+    # global batch held, accumulation adjusted (to dp: cp peers share their samples)
+    accum = CP_SCENARIOS[name][2] if name in CP_SCENARIOS else G // (world * (2 if world == 3 else 3))
+    assert tgt["accum"] == accum
+    if name in CP_SCENARIOS:
+        assert ("ring attention" in " ".join(tgt["notes"])) == ("cp" in name.split("_to_")[1])
     assert tgt["loaded_step"] == 3 and tgt["optimizer_steps_after_load"] == 3
     assert tgt["data_state_after_load"]["consumed"] == 36 and tgt["data_state_after_load"]["epoch"] == 0
 

@@ -253,8 +253,6 @@ def test_context_parallel_refusals():
     ContextParallel(ContextParallelConfig()).validate(info, ParallelDims(dp_shard=2, cp=8))
     with pytest.raises(StrategyError, match="not a multiple of 32"):
         ContextParallel(ContextParallelConfig()).validate(info, ParallelDims(dp_shard=1, cp=16))
-    with pytest.raises(StrategyError, match="pipeline"):
-        ContextParallel(ContextParallelConfig()).validate(info, ParallelDims(pp=2, dp_shard=2, cp=2))
     assert ParallelDims(pp=2, dp_shard=2, cp=4, tp=2).world == 32
     assert ParallelDims(dp_shard=-1, cp=4).resolve(16).dp_shard == 4
 

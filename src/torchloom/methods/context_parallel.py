@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..cost.effects import Collective, Effects, blocks_per_rank, dtype_bytes
 from ..errors import StrategyError
-from ..parallel.context.install import configure_degree, install
+from ..parallel.context.install import configure_degree, install, refuse_pipeline
 from ..strategy.registry import Method, Stage, register_method
 
 
@@ -41,8 +41,7 @@ class ContextParallel(Method):
     stage = Stage.TENSOR + 1
     mesh_dims = ("cp",)
     requires = ("fsdp",)
-    conflicts = {"ulysses": "both split the sequence over cp; choose one",
-                 "pipeline_parallel": "a sequence split inside pipeline micro-batches is not supported yet; drop pp"}
+    conflicts = {"ulysses": "both split the sequence over cp; choose one"}
 
     def estimate(self, info, dims, hw, step):
         """Per rank: the tokens, so every pass's FLOPs, memory-bound bytes, activations and transients, 1/cp
@@ -87,9 +86,6 @@ class ContextParallel(Method):
         cp = dims.cp
         if cp <= 1:
             return
-        if dims.pp > 1:
-            raise StrategyError(f"context_parallel with pp={dims.pp}: a sequence split inside pipeline micro-batches "
-                                "is not supported yet; drop pipeline parallelism or set cp=1.")
         if dims.ep > 1:
             raise StrategyError(f"context_parallel with ep={dims.ep}: context and expert parallelism together are "
                                 "not supported yet; choose one.")
@@ -102,6 +98,7 @@ class ContextParallel(Method):
 
     def configure(self, ctx) -> None:
         configure_degree(ctx, self.name, self.config.size)
+        refuse_pipeline(ctx, self.name)
 
     def apply(self, ctx) -> None:
         if ctx.mesh.dims.ep > 1:

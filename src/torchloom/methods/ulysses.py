@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..cost.effects import Collective, Effects, blocks_per_rank, dtype_bytes
 from ..errors import StrategyError
-from ..parallel.context.install import configure_degree, install
+from ..parallel.context.install import configure_degree, install, refuse_pipeline
 from ..strategy.registry import Method, Stage, register_method
 
 
@@ -38,7 +38,6 @@ class Ulysses(Method):
     stage = Stage.TENSOR + 1
     mesh_dims = ("cp",)
     requires = ("fsdp",)
-    conflicts = {"pipeline_parallel": "a sequence split inside pipeline micro-batches is not supported yet; drop pp"}
 
     def estimate(self, info, dims, hw, step):
         """Per rank: the tokens, so every pass's FLOPs, activations and transients, 1/cp (attention: whole
@@ -71,8 +70,8 @@ class Ulysses(Method):
         cp = dims.cp
         if cp <= 1:
             return
-        if dims.pp > 1 or dims.ep > 1:
-            raise StrategyError(f"ulysses with pp={dims.pp}, ep={dims.ep}: not supported yet; drop them or set cp=1.")
+        if dims.ep > 1:
+            raise StrategyError(f"ulysses with ep={dims.ep}: not supported yet; drop expert parallelism or set cp=1.")
         d = info.dims
         check_heads(d.get("num_heads"), d.get("num_kv_heads") or d.get("num_heads"), dims.tp, cp)
         if info.seq_len % cp:
@@ -81,6 +80,7 @@ class Ulysses(Method):
 
     def configure(self, ctx) -> None:
         configure_degree(ctx, self.name, self.config.size)
+        refuse_pipeline(ctx, self.name)
 
     def apply(self, ctx) -> None:
         cp = ctx.mesh.dims.cp

@@ -32,9 +32,11 @@ from .options import BUILTIN_CHOICES, SearchOptions
 
 #: registry methods the space enumerates by its own rules
 _OWN_METHODS = ("parallel_mode", "ddp", "zero1", "fsdp", "amp", "checkpoint", "pipeline_parallel",
-                "tensor_parallel", "sequence_parallel", "expert_parallel", "context_parallel", "float8")
+                "tensor_parallel", "sequence_parallel", "expert_parallel", "context_parallel", "ulysses", "float8")
 #: the method item a ``cp > 1`` candidate carries
 CP_ITEM = ("context_parallel", {})
+#: the alternative sequence split a ``cp > 1`` candidate may carry when cp divides the heads per tp rank
+ULYSSES_ITEM = ("ulysses", {})
 #: the float8 precision item (searched where the hardware has FP8 tensor cores)
 FP8_ITEM = ("float8", {})
 #: context parallelism is searched from this many tokens per sample: it exists to split the activations of long
@@ -189,7 +191,8 @@ def user_method_options(options: SearchOptions) -> list[list[tuple[str, dict[str
 
 def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options: SearchOptions, *,
                     memory_bytes: float | None = None, ranks_per_node: int | None = None,
-                    offload: bool = False, fp8: bool = False, context_parallel: bool = False) -> Space:
+                    offload: bool = False, fp8: bool = False, context_parallel: bool = False,
+                    cp_pipeline: bool = True) -> Space:
     """Every base candidate (without activation checkpointing) for ``world_size`` ranks and ``global_batch``
     samples per optimizer step at ``info.seq_len`` tokens, in a deterministic order.
 
@@ -201,8 +204,9 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
         offload: enumerate FSDP CPU-offload variants instead of the plain ones (the search does when no plain
             candidate fits).
         fp8: the hardware has FP8 tensor cores: ``float8`` (on bf16 amp) is a precision choice too.
-        context_parallel: search ``cp > 1`` (``loom plan`` does; a search whose plan is applied does not until
-            context parallelism runs, issue [13]).
+        context_parallel: search ``cp > 1`` (the search does, for long sequences).
+        cp_pipeline: with ``cp > 1`` also ``pp > 1`` (``loom plan`` prices them; a search whose plan is applied
+            leaves them out: context parallelism does not run inside pipeline micro-batches yet).
 
     Context parallelism (``cp > 1`` with ``context_parallel``, FSDP over ``dp_shard x cp``) is searched for
     sequences of :data:`CP_MIN_SEQ` tokens and more, degrees up to :data:`CP_MAX` that split the sequence into
@@ -222,7 +226,7 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
         precisions = [FP8_ITEM] if "float8" in options.include else [*precisions, FP8_ITEM]
     extras = user_method_options(options)
     space = Space(bases=[])
-    for dims in _meshes(world_size, info, options, context_parallel):
+    for dims in _meshes(world_size, info, options, context_parallel, cp_pipeline):
         space.layouts += 1
         layout = mesh_label(dims)
         why = _mesh_pruned(dims, f, options, info, global_batch, ranks_per_node)
@@ -263,19 +267,21 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
             dp_item = dp_spec(choice, dims, offload)
             if offload and dp_item is None:
                 continue
-            space.bases.extend(_bases_for(dims, dp_item, precisions, extras, global_batch, info.seq_len, options))
+            space.bases.extend(_bases_for(dims, dp_item, precisions, extras, global_batch, info.seq_len, options,
+                                          _sequence_splits(info, dims, options)))
     return space
 
 
 def _meshes(world_size: int, info: ModelInfo, options: SearchOptions,
-            context_parallel: bool = False) -> list[ParallelDims]:
+            context_parallel: bool = False, cp_pipeline: bool = True) -> list[ParallelDims]:
     """The factorisations of the world (``ep = 1``, :func:`torchloom.parallel.dims.factorisations`), each
     multiplied out by its expert-parallel degrees (:func:`ep_degrees`)."""
     out = []
     for dims in factorisations(world_size):
         out += [dataclasses.replace(dims, ep=ep) for ep in ep_degrees(info, dims, options)] or [dims]
     for cp in cp_degrees(info, world_size, options) if context_parallel else ():
-        out += [dataclasses.replace(dims, cp=cp) for dims in factorisations(world_size // cp)]
+        out += [dataclasses.replace(dims, cp=cp) for dims in factorisations(world_size // cp)
+                if cp_pipeline or dims.pp == 1]
     return out
 
 
@@ -293,7 +299,22 @@ def cp_degrees(info: ModelInfo, world_size: int, options: SearchOptions) -> list
     return [c for c in divisors(world_size) if 1 < c <= CP_MAX and info.seq_len % (2 * c) == 0]
 
 
-def _bases_for(dims, dp_item, precisions, extras, global_batch, seq_len, options) -> list[Candidate]:
+def _sequence_splits(info: ModelInfo, dims: ParallelDims, options: SearchOptions) -> list[tuple | None]:
+    """The sequence-split items of a ``cp > 1`` mesh: ring attention, and Ulysses where cp divides the query
+    and key/value heads per tensor-parallel rank (and neither is excluded); ``[None]`` for ``cp = 1``."""
+    if dims.cp == 1:
+        return [None]
+    out = [CP_ITEM] if "context_parallel" not in options.exclude else []
+    d = info.dims
+    heads, kv = d.get("num_heads"), d.get("num_kv_heads") or d.get("num_heads")
+    if "ulysses" not in options.exclude and heads and kv and not (heads // dims.tp) % dims.cp \
+            and not (kv // dims.tp) % dims.cp and not heads % dims.tp and not kv % dims.tp:
+        out.append(ULYSSES_ITEM)
+    return out or [CP_ITEM]
+
+
+def _bases_for(dims, dp_item, precisions, extras, global_batch, seq_len, options,
+               splits=(None,)) -> list[Candidate]:
     local = global_batch // dims.dp
     mbs = [m for m in divisors(local) if (options.max_micro_batch is None or m <= options.max_micro_batch)
            and m == options.fixed.get("micro_batch", m)]
@@ -304,13 +325,13 @@ def _bases_for(dims, dp_item, precisions, extras, global_batch, seq_len, options
         tp_items = [[("tensor_parallel", {}), *([("sequence_parallel", {})] if s else [])] for s in sp]
     schedules = options.pipeline_schedules if dims.pp > 1 else (None,)
     out = []
-    for prec, tp, sched, extra, mb in itertools.product(precisions, tp_items, schedules,
-                                                        itertools.product(*extras), mbs):
+    for prec, tp, sched, extra, mb, split in itertools.product(precisions, tp_items, schedules,
+                                                               itertools.product(*extras), mbs, splits):
         accum = local // mb
         if sched is not None and not _schedule_may_fit(sched, dims.pp, accum, dp_item):
             continue
         items = ([i for i in (dp_item, prec) if i is not None] + list(tp) + ([EP_ITEM] if dims.ep > 1 else [])
-                 + ([CP_ITEM] if dims.cp > 1 else []))
+                 + ([split] if split is not None else []))
         if sched is not None:
             items.append(("pipeline_parallel", {"schedule": sched, "num_microbatches": accum}))
         items += [e for e in extra if e is not None]

@@ -23,6 +23,17 @@ def configure_degree(ctx, method: str, size: int | None) -> None:
     ctx.dims.cp = degree
 
 
+def refuse_pipeline(ctx, method: str) -> None:
+    """A sequence split does not run inside pipeline micro-batches yet (``loom plan`` still prices it).
+
+    Raises:
+        StrategyError: ``pipeline_parallel`` is in the strategy.
+    """
+    if "pipeline_parallel" in ctx.strategy:
+        raise StrategyError(f"{method} with pipeline_parallel: a sequence split inside pipeline micro-batches does "
+                            "not run yet (loom plan prices it); drop pipeline parallelism or the split.")
+
+
 def use_sdpa_attention(model) -> str | None:
     """Switch a Hugging Face model to its SDPA attention (the implementation the split routes); returns the
     implementation it had when it was another one, else None."""

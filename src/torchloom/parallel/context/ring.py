@@ -8,18 +8,18 @@ as Megatron-Core's and PyTorch's ring attention do it.
 
 Forward: ``cp`` steps; at step ``i`` a rank holds the keys/values of cp rank ``(r - i) mod cp`` and starts
 sending them on to ``r + 1`` (receiving the next ones from ``r - 1``) before computing with them, so the
-transfer overlaps the block's attention. Blocks a causal mask hides entirely are skipped. The merged output
-and its log-sum-exp are kept in fp32. Masks come from :class:`~.sequence.SequenceInfo` (global token
-indices, documents, key padding), never from the model.
-
-The block product is plain ``matmul``/``exp`` math (any device, any backend, gloo included); on GPUs a fused
-kernel returning the log-sum-exp would be faster, at the same results.
+transfer overlaps the block's attention. Work is done per (query chunk, key chunk) pair: with the
+load-balanced layout every pair is fully visible, causal on its diagonal or hidden (skipped), so causal
+attention needs no mask. The merged output and its log-sum-exp are kept in fp32. Masks for documents,
+padding and sliding windows come from :class:`~.sequence.SequenceInfo`, never from the model. The block
+kernels are :mod:`.blocks` (PyTorch's fused flash kernel on CPU, fp32 math elsewhere).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from .blocks import block_backward, block_forward, merge
 from .sequence import SequenceInfo
 
 
@@ -61,31 +61,28 @@ def collapse_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.view(b, h // groups, groups, s, d).sum(2)
 
 
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+def _chunks(info: SequenceInfo, rank: int) -> list[tuple[int, slice]]:
+    """``(chunk index, slice of the rank's local tokens)`` of each chunk a rank holds (two load-balanced, or one)."""
+    lay = info.layout
+    c = info.seq_len // lay.chunks
+    if lay.load_balance:
+        return [(rank, slice(0, c)), (2 * lay.cp - 1 - rank, slice(c, 2 * c))]
+    return [(rank, slice(0, c))]
 
 
-def _scores(q, k, mask, scale):
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
-
-
-def _merge(out, lse, out2, lse2):
-    if out is None:
-        return out2, lse2
-    new = torch.logaddexp(lse, lse2)
-    base = _finite(new)
-    return out * torch.exp(lse - base)[..., None] + out2 * torch.exp(lse2 - base)[..., None], new
-
-
-def _hidden(info: SequenceInfo, q_rank: int, k_rank: int, causal: bool) -> bool:
-    """True when a causal mask hides every key of ``k_rank`` from every query of ``q_rank`` (checked on the
-    host, no device sync)."""
-    if not causal:
-        return False
-    q = info.positions(q_rank, "cpu")
-    k = info.positions(k_rank, "cpu")
-    return int(q.max()) < int(k.min())
+def _pairs(info: SequenceInfo, r: int, src: int, causal: bool, device):
+    """The (query chunk, key chunk) blocks of ranks ``r`` x ``src`` that a causal mask does not hide entirely:
+    ``(q slice, k slice, q chunk, mask, diagonal)``. Chunk ``i`` precedes chunk ``j`` for ``i < j``, so a block
+    is fully visible (``i > j``), causal on its diagonal (``i == j``) or hidden (``i < j``, skipped). Masks
+    (bool, per block) only when the batch has documents, padding or a sliding window."""
+    masked = info.document is not None or info.valid is not None or bool(info.window)
+    q_idx, k_idx = info.positions(r, device), info.positions(src, device)
+    for qc, qs in _chunks(info, r):
+        for kc, ks in _chunks(info, src):
+            if causal and kc > qc:
+                continue
+            mask = info.mask(q_idx[qs], k_idx[ks], causal, info.batch) if masked else None
+            yield qs, ks, qc, mask, causal and kc == qc
 
 
 class RingAttention(torch.autograd.Function):
@@ -98,32 +95,38 @@ class RingAttention(torch.autograd.Function):
         causal: causal masking by global token index.
         scale: the softmax scale (``1/sqrt(D)`` by default in :func:`ring_attention`).
 
-    Returns ``[B, H, S/cp, D]`` in ``q``'s dtype; rows with no visible key are 0.
+    Returns ``[B, H, S/cp, D]`` in ``q``'s dtype; rows with no visible key are 0. Blocks are computed per
+    (query chunk, key chunk) pair by :mod:`.blocks` (PyTorch's fused flash kernel on CPU).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, info: SequenceInfo, causal: bool, scale: float):
+        if q.shape[0] != info.batch and (info.document is not None or info.valid is not None):
+            raise ValueError(
+                f"sequence split: the attention call has {q.shape[0]} samples but the split micro-batch has "
+                f"{info.batch}; per-sample masks (padding, packed documents) cannot follow a further split of the "
+                "micro-batch (pipeline micro-batches).")
         ring = _Ring(info.group)
         cp, r = ring.size, ring.rank
         groups = q.shape[1] // k.shape[1]
-        q_idx = info.positions(r, q.device)
-        qf = q.float()
-        out = lse = None
+        parts: dict[int, tuple] = {}
         cur = torch.stack([k, v])
         for i in range(cp):
             src = (r - i) % cp
             pending = ring.start(cur) if i < cp - 1 else None
-            if not _hidden(info, r, src, causal):
-                mask = info.mask(q_idx, info.positions(src, q.device), causal, q.shape[0])
-                s = _scores(qf, expand_heads(cur[0].float(), groups), mask, scale)
-                blk_lse = torch.logsumexp(s, -1)
-                p = torch.exp(s - _finite(blk_lse)[..., None])
-                out, lse = _merge(out, lse, torch.matmul(p, expand_heads(cur[1].float(), groups)), blk_lse)
+            kk, vv = expand_heads(cur[0], groups), expand_heads(cur[1], groups)
+            for qs, ks, qc, mask, diag in _pairs(info, r, src, causal, q.device):
+                o, lse = block_forward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], mask, diag, scale)
+                parts[qc] = merge(*parts.get(qc, (None, None)), o, lse)
             if pending is not None:
                 cur = ring.finish(pending)
-        if out is None:
-            out = torch.zeros_like(qf)
-            lse = torch.full(qf.shape[:-1], float("-inf"), device=q.device)
+        outs, lses = [], []
+        for qc, qs in _chunks(info, r):
+            o, lse = parts.get(qc, (None, None))
+            n = qs.stop - qs.start
+            outs.append(o if o is not None else q.new_zeros((*q.shape[:2], n, q.shape[3]), dtype=torch.float32))
+            lses.append(lse if lse is not None else q.new_full((*q.shape[:2], n), float("-inf"), dtype=torch.float32))
+        out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.info, ctx.causal, ctx.scale, ctx.groups = info, causal, scale, groups
         return out.to(q.dtype)
@@ -134,26 +137,19 @@ class RingAttention(torch.autograd.Function):
         info, causal, scale, groups = ctx.info, ctx.causal, ctx.scale, ctx.groups
         ring = _Ring(info.group)
         cp, r = ring.size, ring.rank
-        q_idx = info.positions(r, q.device)
-        qf, do = q.float(), dout.float()
-        delta = (do * out).sum(-1, keepdim=True)
-        base = _finite(lse)[..., None]
-        dq = torch.zeros_like(qf)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         cur = torch.stack([k, v])
         dkv = torch.zeros(cur.shape, dtype=torch.float32, device=k.device)  # travels with its keys/values
         for i in range(cp):
             src = (r - i) % cp
             pending = ring.start(cur) if i < cp - 1 else None
-            if not _hidden(info, r, src, causal):
-                mask = info.mask(q_idx, info.positions(src, q.device), causal, q.shape[0])
-                kf, vf = expand_heads(cur[0].float(), groups), expand_heads(cur[1].float(), groups)
-                p = torch.exp(_scores(qf, kf, mask, scale) - base)
-                dv = torch.matmul(p.transpose(-1, -2), do)
-                ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
-                dq += torch.matmul(ds, kf) * scale
-                dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
-                dkv[0] += collapse_heads(dk, groups)
-                dkv[1] += collapse_heads(dv, groups)
+            kk, vv = expand_heads(cur[0], groups), expand_heads(cur[1], groups)
+            for qs, ks, _, mask, diag in _pairs(info, r, src, causal, q.device):
+                dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], kk[:, :, ks], vv[:, :, ks],
+                                                  out[:, :, qs], lse[:, :, qs], mask, diag, scale)
+                dq[:, :, qs] += dq_b
+                dkv[0][:, :, ks] += collapse_heads(dk_b, groups)
+                dkv[1][:, :, ks] += collapse_heads(dv_b, groups)
             dkv = ring.finish(ring.start(dkv, tag=1))  # on to the next rank, with the keys/values it follows
             if pending is not None:
                 cur = ring.finish(pending)
