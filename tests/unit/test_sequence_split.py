@@ -123,3 +123,34 @@ def test_atorch_sequence_parallel_is_ulysses():
     assert any("batch_sp_processing_fn is not called" in n for n in t.notes)
     with pytest.raises(StrategyError, match="not supported"):
         translate([("sequence_parallel", {"ring": True}, False)], 2)
+
+
+def test_sequence_level_labels_and_heads_are_refused():
+    from torchloom.parallel.context.install import check_model
+
+    split = SequenceSplitter(group=None, cp=2, rank=0, model=_HF())
+    with pytest.raises(ValueError, match="next-token targets"):
+        split({"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, dtype=torch.long)})
+
+    class LlamaForSequenceClassification(torch.nn.Module):
+        config = object()
+
+    with pytest.raises(StrategyError, match="not a causal language model"):
+        check_model(LlamaForSequenceClassification(), "context_parallel")
+
+
+def test_packed_documents_warn_once_unless_use_cache_is_off():
+    import warnings
+
+    import torchloom.parallel.context.split as split_mod
+
+    split_mod._WARNED.clear()
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    split = SequenceSplitter(group=None, cp=2, rank=0, model=_HF())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        split({"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": pos, "use_cache": False})
+        assert not caught
+        split({"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": pos})
+        split({"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": pos})
+    assert len([w for w in caught if "use_cache=False" in str(w.message)]) == 1

@@ -104,6 +104,7 @@ def check_heads(heads: int | None, kv_heads: int | None, tp: int, cp: int) -> No
         per = n // max(tp, 1)
         if per % cp:
             ok = [k for k in range(2, per + 1) if per % k == 0]
+            choose = f"choose cp among {ok}, or use" if ok else f"no cp > 1 divides {per} head; use"
             raise StrategyError(
-                f"ulysses: cp={cp} does not divide the {per} {what} per tensor-parallel rank ({n} / tp={tp}); choose "
-                f"cp among {ok or 'none (1 head)'}, or use context_parallel (ring attention has no head limit).")
+                f"ulysses: cp={cp} does not divide the {per} {what} per tensor-parallel rank ({n} / tp={tp}); {choose} "
+                "context_parallel (ring attention has no head limit).")

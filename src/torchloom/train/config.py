@@ -412,6 +412,13 @@ class TrainConfig:
             return
         strategy = self.full_strategy()
         self.check_expert_degree(world_size)
+        p = self.parallel
+        split = max(p.cp, p.ulysses)
+        if split > 1 and world_size % (split * p.tp * p.pp):
+            key = "cp" if p.cp > 1 else "ulysses"
+            raise ConfigError(f"parallel.{key}={split} (x tp={p.tp} x pp={p.pp}) does not divide the {world_size} "
+                              f"processes: the sequence is split over {split} ranks; use --nproc a multiple of "
+                              f"{split * p.tp * p.pp} or a smaller parallel.{key}.")
         try:
             dims = plan_dims(strategy, world_size)
             plan = plan_batches(self.train.global_batch, self.train.micro_batch, dims.dp)
@@ -588,12 +595,14 @@ class TrainConfig:
             return "context_parallel", p.cp
         if p.ulysses > 1:
             u = p.ulysses
-            for what, n in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),
-                            ("model.seq_len", m.seq_len)):
-                per = n // p.tp if what != "model.seq_len" else n
+            if m.seq_len % u:
+                raise ConfigError(f"parallel.ulysses={u} does not divide model.seq_len={m.seq_len}; set model.seq_len to "
+                                  f"a multiple of {u}.")
+            for what, n in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads)):
+                per = n // p.tp
                 if per % u:
                     raise ConfigError(f"parallel.ulysses={u} does not divide {what}={n}"
-                                      + (f" per tp rank ({per})" if what != "model.seq_len" and p.tp > 1 else "")
+                                      + (f" per tp rank ({per})" if p.tp > 1 else "")
                                       + "; choose a divisor, or parallel.cp (ring attention has no head limit).")
             return "ulysses", u
         return None

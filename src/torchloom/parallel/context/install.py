@@ -67,7 +67,18 @@ def attention_window(model) -> tuple[int | None, bool]:
 
 
 def check_model(model, method: str) -> None:
-    """Refuse model settings the split cannot compute exactly: attention dropout."""
+    """Refuse what the split cannot compute exactly: attention dropout, and Hugging Face heads other than causal
+    LM ones (a sequence classifier pools one token per rank; token labels must not be shifted).
+
+    Raises:
+        StrategyError: naming the setting or the head class.
+    """
+    name = type(model).__name__
+    if getattr(model, "config", None) is not None and "For" in name and not name.endswith("ForCausalLM"):
+        raise StrategyError(f"{method}: {name} is not a causal language model; the sequence split serves causal LMs "
+                            "(each rank holds part of every sample and labels are shifted for next-token prediction), "
+                            "so a sequence-level head would pool one rank's tokens only. Use a *ForCausalLM model or "
+                            "train without the split.")
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "attention_dropout", 0.0):
         raise StrategyError(f"{method}: the model has attention_dropout={config.attention_dropout}; attention dropout "

@@ -38,8 +38,8 @@ class SequenceLayout:
             how = f"2 x cp={self.cp}" if self.load_balance else f"cp={self.cp}"
             raise StrategyError(
                 f"sequence split over cp={self.cp}: the sequence length {seq_len} is not a multiple of {self.chunks} "
-                f"({how} equal chunks); pad every batch to a multiple of {self.chunks} tokens (data.seq_len, or "
-                f"pad_to_multiple_of={self.chunks} in the collator) or choose another cp.")
+                f"({how} equal chunks); pad every batch to a multiple of {self.chunks} tokens (loom train: model.seq_len; "
+                f"a collator: pad_to_multiple_of={self.chunks}) or choose another cp.")
 
     def indices(self, seq_len: int, rank: int | None = None, device=None) -> torch.Tensor:
         """Global token indices (int64 ``[seq_len / cp]``, increasing) that ``rank`` (default: this one) holds."""

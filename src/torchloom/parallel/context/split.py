@@ -39,6 +39,21 @@ class SequenceBatch(dict):
                 "torch.nn.functional.scaled_dot_product_attention at run time rather than a reference bound at import.")
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_documents(batch) -> None:
+    """Once: packed documents are always masked under the split, unlike HF's SDPA path with a KV cache."""
+    if "documents" in _WARNED or batch.get("use_cache") is False:
+        return
+    _WARNED.add("documents")
+    import warnings
+
+    warnings.warn("sequence split: position_ids restart inside samples (packed documents), so attention is masked per "
+                  "document. Hugging Face's SDPA path does that only with use_cache=False (with a cache it attends "
+                  "across documents): compare with use_cache=False, or pass it in the batch.", stacklevel=3)
+
+
 def forward_parameters(model: torch.nn.Module) -> tuple[set[str], bool]:
     """The keyword names ``model.forward`` accepts and whether it takes ``**kwargs``."""
     params = inspect.signature(model.forward).parameters.values()
@@ -121,6 +136,7 @@ class SequenceSplitter:
             docs = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
             if bool((docs[:, -1] != 0).any()):
                 document = docs
+                _warn_documents(batch)
         else:
             if not self.accepts("position_ids"):
                 raise ValueError("sequence split: the model's forward takes no position_ids, so each rank would number "
@@ -141,6 +157,11 @@ class SequenceSplitter:
             if k == "attention_mask":
                 continue
             if k == "labels" and isinstance(t, torch.Tensor):
+                if tuple(t.shape[:2]) != (b, s) or t.dim() != 2:
+                    raise ValueError(
+                        f"sequence split: labels {tuple(t.shape)} are not [batch, seq] = [{b}, {s}] next-token targets; "
+                        "the split serves causal language models (labels shifted over the whole sequence). "
+                        "Sequence-level labels (classification) cannot be split.")
                 shifted = lay.shard(F.pad(t[:, 1:], (0, 1), value=IGNORE_INDEX))
                 out[k] = shifted
             elif k == "position_ids":
