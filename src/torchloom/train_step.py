@@ -185,11 +185,11 @@ def _raise_if_batch_does_not_fit(error: TypeError, model: nn.Module, args: tuple
         + (f" (unexpected keys: {unexpected})" if unexpected else "") + f". Fix: {fix}.") from error
 
 
-def _sequence_scope(batch: Any):
+def _sequence_scope(batch: Any, check: bool = True):
     """A split batch's attention scope (``SequenceBatch.activate``: forward, loss and backward see its
-    sequence facts), else nothing."""
+    sequence facts), else nothing. ``check=False`` for pipelined models (a stage may hold no attention)."""
     activate = getattr(batch, "activate", None)
-    return activate() if callable(activate) and hasattr(batch, "sequence") else contextlib.nullcontext()
+    return activate(check) if callable(activate) and hasattr(batch, "sequence") else contextlib.nullcontext()
 
 
 def _sequence_sum(batch: Any, total: torch.Tensor, count: float) -> tuple[torch.Tensor, float]:
@@ -487,7 +487,7 @@ class TrainStep:
         accumulation early is exact, averaging is linear). Means are scaled by 1 / (num_microbatches x
         grad_accum_steps); the SumLoss count and the reported loss come from the last stage to every rank."""
         sync = (self.micro_step + 1) % self.grad_accum_steps == 0
-        batch = self.prepare_input(batch, self.device)
+        batch = self._prepare(batch)
         n_mb = self._pipeline.num_microbatches
 
         def loss_fn(sub_batch, output):
@@ -511,6 +511,7 @@ class TrainStep:
             for make_context in self.step_contexts:
                 stack.enter_context(make_context())
             stack.enter_context(aux_loss_scale(self._aux_factor(0.0, n_mb)))
+            stack.enter_context(_sequence_scope(batch, check=False))
             stats = self._pipeline.run(batch, self.model_input_format, loss_fn, backward=True)
         self._check_pipeline_sum_aux(stats["sum_mode"])
         if stats["sum_mode"] is not None:
@@ -550,8 +551,8 @@ class TrainStep:
 
     def _pipeline_eval(self, batch: Any) -> torch.Tensor:
         """``eval_loss`` for a pipelined model: a forward-only schedule pass; the mean over the pipeline
-        micro-batches (total / count for SumLoss), the same on every rank."""
-        batch = self.prepare_input(batch, self.device)
+        micro-batches (total / count for SumLoss), the same on every rank (and cp rank)."""
+        batch = self._prepare(batch)
 
         def loss_fn(sub_batch, output):
             out = self.loss_func(sub_batch, output) if self.loss_func is not None else _output_loss(output)
@@ -564,7 +565,12 @@ class TrainStep:
         with contextlib.ExitStack() as stack:
             for make_context in self.step_contexts:
                 stack.enter_context(make_context())
-            return self._pipeline.run(batch, self.model_input_format, loss_fn, backward=False)["report"]
+            stack.enter_context(_sequence_scope(batch, check=False))
+            stats = self._pipeline.run(batch, self.model_input_format, loss_fn, backward=False)
+        if not hasattr(batch, "sequence"):
+            return stats["report"]
+        num, den = _sequence_sum(batch, torch.tensor(stats["num"]), stats["den"])  # every cp rank's tokens
+        return (num / max(den, 1e-30)).float()
 
     # ------------------------------------------------------------------------------------------------
     def _params(self) -> list[torch.nn.Parameter]:

@@ -8,7 +8,8 @@ fp32 rounding of the blockwise sums); with bf16 inputs at most 3x the error of P
 whole sequence in one process (each block's output is rounded to bf16 by the fused kernel before the merge).
 Training (``train_cases``): 3 SGD + momentum steps of tiny HF models (global batch 8, 16 tokens) under a
 strategy with cp, beside the same model trained in one process: losses within 2e-6, parameters within 1e-6
-(fp32; the order of sums differs); bf16 amp within 5e-4 / 5e-4 of the bf16-autocast reference.
+(fp32; the order of sums differs); bf16 amp within 5e-4 / 5e-4 of the bf16-autocast reference. With pipeline
+parallelism each rank holds its stages' parameters (compared by name, max over ranks).
 """
 import functools
 
@@ -24,6 +25,12 @@ def P(**d):
 
 
 CP2 = [P(cp=2), "context_parallel", "fsdp"]
+
+
+def PP(schedule):
+    return ("pipeline_parallel", {"schedule": schedule, "num_microbatches": 2})
+
+
 UL2 = [P(cp=2), "ulysses", "fsdp"]
 
 ATTN = {f"{k}_{'causal' if c else 'full'}_{m}": dict(kind=k, causal=c, padded=m in ("padded", "both"),
@@ -54,6 +61,15 @@ TRAIN_4 = {
     "hsdp_ulysses_packed": dict(strategy=[P(dp_replicate=2, cp=2), "ulysses", "fsdp"], kind="packed"),
     "tp2_cp2_padded_sumloss": dict(strategy=[P(cp=2, tp=2), "tensor_parallel", "context_parallel", "fsdp"],
                                    kind="padded", loss="sum"),
+    # pipeline stages see one micro-batch at a time: each gets its rows' masks (forward, backward, inference)
+    "pp2_cp2_1f1b": dict(strategy=[P(pp=2, cp=2), PP("1f1b"), "context_parallel", "fsdp"]),
+    "pp2_cp2_1f1b_padded_sumloss": dict(strategy=[P(pp=2, cp=2), PP("1f1b"), "context_parallel", "fsdp"],
+                                        kind="padded", loss="sum"),
+    "pp2_ulysses2_gpipe_checkpoint_packed": dict(strategy=[P(pp=2, cp=2), PP("gpipe"), "ulysses", "fsdp", "checkpoint"],
+                                                 kind="packed"),
+    # (SumLoss with padding: a pipeline's mean loss is the mean of its micro-batch means, as without cp)
+    "pp2_cp2_interleaved_padded_sumloss": dict(
+        strategy=[P(pp=2, cp=2), PP("interleaved_1f1b"), "context_parallel", "fsdp"], kind="padded", loss="sum"),
 }
 
 
@@ -62,7 +78,8 @@ def results(world: int) -> dict:
     attn, train = (ATTN_2, TRAIN_2) if world == 2 else (ATTN_4, TRAIN_4)
     out = run_ranks(suite, world, list(attn.values()), list(train.values()), timeout=600)
     return {"attention": {k: [r["attention"][i] for r in out] for i, k in enumerate(attn)},
-            "training": {k: out[0]["training"][i] for i, k in enumerate(train)}}
+            "training": {k: {**out[0]["training"][i], "dloss": max(r["training"][i]["dloss"] for r in out),
+                             "dparam": max(r["training"][i]["dparam"] for r in out)} for i, k in enumerate(train)}}
 
 
 @pytest.mark.parametrize("world,name", [(2, k) for k in ATTN_2] + [(4, k) for k in ATTN_4])

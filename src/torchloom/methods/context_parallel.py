@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..cost.effects import Collective, Effects, blocks_per_rank, dtype_bytes
 from ..errors import StrategyError
-from ..parallel.context.install import configure_degree, install, refuse_pipeline
+from ..parallel.context.install import configure_degree, install
 from ..strategy.registry import Method, Stage, register_method
 
 
@@ -98,7 +98,6 @@ class ContextParallel(Method):
 
     def configure(self, ctx) -> None:
         configure_degree(ctx, self.name, self.config.size)
-        refuse_pipeline(ctx, self.name)
 
     def apply(self, ctx) -> None:
         if ctx.mesh.dims.ep > 1:

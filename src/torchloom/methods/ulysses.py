@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..cost.effects import Collective, Effects, blocks_per_rank, dtype_bytes
 from ..errors import StrategyError
-from ..parallel.context.install import configure_degree, install, refuse_pipeline
+from ..parallel.context.install import configure_degree, install
 from ..strategy.registry import Method, Stage, register_method
 
 
@@ -66,7 +66,7 @@ class Ulysses(Method):
         return e
 
     def validate(self, info, dims) -> None:
-        """The heads (after tp's split) and the sequence must divide by cp; no pp/ep with it."""
+        """The heads (after tp's split) and the sequence must divide by cp; no ep with it."""
         cp = dims.cp
         if cp <= 1:
             return
@@ -80,7 +80,6 @@ class Ulysses(Method):
 
     def configure(self, ctx) -> None:
         configure_degree(ctx, self.name, self.config.size)
-        refuse_pipeline(ctx, self.name)
 
     def apply(self, ctx) -> None:
         cp = ctx.mesh.dims.cp

@@ -289,7 +289,7 @@ def _search(info, hw: Hardware, world: int, global_batch: int, seq_len: int, mic
         opts["fixed"] = {**opts.get("fixed", {}), "micro_batch": micro_batch}
     try:
         return search(world_size=world, global_batch=global_batch, hw=hw, info=info, seq_len=seq_len,
-                      options=opts, progress=progress, keep=keep, unrunnable=True)  # cp priced (also with pp)
+                      options=opts, progress=progress, keep=keep)
     except StrategyError as e:
         if "fits no candidate" in str(e):
             raise NoFit(str(e)) from e

@@ -41,7 +41,7 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
            hw: Hardware, info: ModelInfo | None = None, seq_len: int | None = None,
            options: SearchOptions | dict | None = None, runner: Runner | None = None,
            predict: Predictor | None = None, progress: Callable[[str], None] | None = None,
-           keep: int | None = None, unrunnable: bool = False) -> SearchResult:
+           keep: int | None = None) -> SearchResult:
     """Find the fastest plan for ``model`` on ``world_size`` ranks of ``hw`` at ``global_batch`` samples
     (of ``seq_len`` tokens) per optimizer step.
 
@@ -69,8 +69,6 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
             (and the model-structure checks stop after ``max(min(keep, FULL_CHECKS), top_k)`` passed instead
             of ``max(FULL_CHECKS, top_k)``), and ``result.evaluated`` holds only what was priced. None (default): every
             candidate is priced.
-        unrunnable: also price plans torchloom cannot run yet (context parallelism inside pipeline stages):
-            ``loom plan`` does; a search whose plan is applied (``strategy="auto"``) does not.
 
     Returns:
         a :class:`SearchResult`.
@@ -93,7 +91,7 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
     say(f"enumerating the layouts of {world_size:,} ranks")
     space = enumerate_space(info, world_size, global_batch, options, memory_bytes=hw.memory_bytes,
                             ranks_per_node=ranks_per_node, fp8=hw.device_type != "cpu" and "float8" in hw.peak_flops,
-                            context_parallel=True, cp_pipeline=unrunnable)
+                            context_parallel=True)
     result = SearchResult(chosen=None, chosen_by="predicted", world_size=world_size,  # type: ignore[arg-type]
                           global_batch=global_batch, seq_len=seq_len, sequence=info.sequence)
     _count_pruned(result, space)

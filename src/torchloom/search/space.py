@@ -191,8 +191,7 @@ def user_method_options(options: SearchOptions) -> list[list[tuple[str, dict[str
 
 def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options: SearchOptions, *,
                     memory_bytes: float | None = None, ranks_per_node: int | None = None,
-                    offload: bool = False, fp8: bool = False, context_parallel: bool = False,
-                    cp_pipeline: bool = True) -> Space:
+                    offload: bool = False, fp8: bool = False, context_parallel: bool = False) -> Space:
     """Every base candidate (without activation checkpointing) for ``world_size`` ranks and ``global_batch``
     samples per optimizer step at ``info.seq_len`` tokens, in a deterministic order.
 
@@ -205,8 +204,6 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
             candidate fits).
         fp8: the hardware has FP8 tensor cores: ``float8`` (on bf16 amp) is a precision choice too.
         context_parallel: search ``cp > 1`` (the search does, for long sequences).
-        cp_pipeline: with ``cp > 1`` also ``pp > 1`` (``loom plan`` prices them; a search whose plan is applied
-            leaves them out: context parallelism does not run inside pipeline micro-batches yet).
 
     Context parallelism (``cp > 1`` with ``context_parallel``, FSDP over ``dp_shard x cp``) is searched for
     sequences of :data:`CP_MIN_SEQ` tokens and more, degrees up to :data:`CP_MAX` that split the sequence into
@@ -226,7 +223,7 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
         precisions = [FP8_ITEM] if "float8" in options.include else [*precisions, FP8_ITEM]
     extras = user_method_options(options)
     space = Space(bases=[])
-    for dims in _meshes(world_size, info, options, context_parallel, cp_pipeline):
+    for dims in _meshes(world_size, info, options, context_parallel):
         space.layouts += 1
         layout = mesh_label(dims)
         why = _mesh_pruned(dims, f, options, info, global_batch, ranks_per_node)
@@ -273,15 +270,14 @@ def enumerate_space(info: ModelInfo, world_size: int, global_batch: int, options
 
 
 def _meshes(world_size: int, info: ModelInfo, options: SearchOptions,
-            context_parallel: bool = False, cp_pipeline: bool = True) -> list[ParallelDims]:
+            context_parallel: bool = False) -> list[ParallelDims]:
     """The factorisations of the world (``ep = 1``, :func:`torchloom.parallel.dims.factorisations`), each
     multiplied out by its expert-parallel degrees (:func:`ep_degrees`)."""
     out = []
     for dims in factorisations(world_size):
         out += [dataclasses.replace(dims, ep=ep) for ep in ep_degrees(info, dims, options)] or [dims]
     for cp in cp_degrees(info, world_size, options) if context_parallel else ():
-        out += [dataclasses.replace(dims, cp=cp) for dims in factorisations(world_size // cp)
-                if cp_pipeline or dims.pp == 1]
+        out += [dataclasses.replace(dims, cp=cp) for dims in factorisations(world_size // cp)]
     return out
 
 

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..errors import CheckpointError
 from .config import ConfigError, TrainConfig

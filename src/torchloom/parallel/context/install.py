@@ -23,17 +23,6 @@ def configure_degree(ctx, method: str, size: int | None) -> None:
     ctx.dims.cp = degree
 
 
-def refuse_pipeline(ctx, method: str) -> None:
-    """A sequence split does not run inside pipeline micro-batches yet (``loom plan`` still prices it).
-
-    Raises:
-        StrategyError: ``pipeline_parallel`` is in the strategy.
-    """
-    if "pipeline_parallel" in ctx.strategy:
-        raise StrategyError(f"{method} with pipeline_parallel: a sequence split inside pipeline micro-batches does "
-                            "not run yet (loom plan prices it); drop pipeline parallelism or the split.")
-
-
 def use_sdpa_attention(model) -> str | None:
     """Switch a Hugging Face model to its SDPA attention (the implementation the split routes); returns the
     implementation it had when it was another one, else None."""
@@ -105,7 +94,7 @@ def install(ctx, *, method: str, kind: str, load_balance: bool, causal: bool) ->
     rank = ctx.mesh["cp"].get_local_rank()
     ctx.sequence_split = SequenceSplitter(group=group, cp=cp, rank=rank, kind=kind, load_balance=load_balance,
                                           causal=causal, model=model, window=window,
-                                          window_every_layer=every_layer)
+                                          window_every_layer=every_layer, pipelined=ctx.parts is not None)
     ctx.step_contexts.append(sequence_attention)
     layout = "load-balanced zigzag chunks" if load_balance else "contiguous chunks"
     ctx.note(f"{method}: every sample's sequence split over cp={cp} ({layout}); attention by "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,15 @@ class SequenceInfo:
     calls: int = field(default=0, compare=False)  # attention calls routed through the split (checked after forward)
     _pos: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def rows(self, start: int, stop: int) -> "SequenceInfo":
+        """The facts of samples ``start:stop`` (a pipeline micro-batch of this split micro-batch); attention
+        calls made under it count towards this one."""
+        sub = dataclasses.replace(self, batch=stop - start,
+                                  document=None if self.document is None else self.document[start:stop],
+                                  valid=None if self.valid is None else self.valid[start:stop], calls=0)
+        sub._parent = self
+        return sub
+
     @property
     def local_len(self) -> int:
         return self.seq_len // self.layout.cp
@@ -92,6 +102,20 @@ class SequenceInfo:
 _ACTIVE: list[SequenceInfo] = []
 
 
+@contextlib.contextmanager
+def activate_rows(start: int, stop: int):
+    """Within the active split batch, make rows ``start:stop`` active (a pipeline stage computing one
+    micro-batch); nothing when no split batch is active."""
+    info = active_sequence()
+    if info is None:
+        yield None
+        return
+    sub = info.rows(start, stop)
+    with activate(sub):
+        yield sub
+    info.calls += sub.calls
+
+
 def active_sequence() -> SequenceInfo | None:
     """The :class:`SequenceInfo` of the split micro-batch being computed, or None outside one."""
     return _ACTIVE[-1] if _ACTIVE else None
@@ -108,8 +132,16 @@ def activate(info: SequenceInfo):
 
 
 def labels_preshifted(labels: torch.Tensor) -> bool:
-    """True when ``labels`` is the active split batch's labels tensor, which the split already shifted left
-    over the whole sequence (a rank's last token's target lives on another rank, so the loss must not shift
-    again: ``SumLoss.from_hf`` and ``causal_lm_sum`` read this)."""
+    """True when ``labels`` is the active split batch's labels tensor (or rows of it: a pipeline micro-batch),
+    which the split already shifted left over the whole sequence (a rank's last token's target lives on
+    another rank, so the loss must not shift again: ``SumLoss.from_hf`` and ``causal_lm_sum`` read this)."""
     info = active_sequence()
-    return info is not None and info.shifted_labels is not None and labels is info.shifted_labels
+    shifted = None if info is None else info.shifted_labels
+    if shifted is None or not isinstance(labels, torch.Tensor):
+        return False
+    if labels is shifted:
+        return True
+    # a row slice shares the storage and the row stride
+    return (labels.untyped_storage().data_ptr() == shifted.untyped_storage().data_ptr()
+            and labels.dim() == shifted.dim() and labels.shape[1:] == shifted.shape[1:]
+            and labels.stride() == shifted.stride())

@@ -23,15 +23,16 @@ class SequenceBatch(dict):
     sequence: SequenceInfo
 
     @contextlib.contextmanager
-    def activate(self):
-        """Make this batch's :class:`SequenceInfo` active; on a clean exit, raise if the model made no
-        attention call through the split (it computes attention in a way the split cannot see: every rank
-        would attend within its own tokens only)."""
+    def activate(self, check: bool = True):
+        """Make this batch's :class:`SequenceInfo` active; on a clean exit (with ``check``), raise if the model
+        made no attention call through the split (it computes attention in a way the split cannot see: every
+        rank would attend within its own tokens only). Pipeline stages without attention layers exist, so the
+        pipelined path does not check."""
         info = self.sequence
         start = info.calls
         with activate(info):
             yield info
-        if info.calls == start:
+        if check and info.calls == start:
             raise RuntimeError(
                 f"sequence split ({info.kind}, cp={info.layout.cp}): the model made no attention call through "
                 "torch.nn.functional.scaled_dot_product_attention, so each rank attended only within its own tokens "
@@ -89,6 +90,8 @@ class SequenceSplitter:
         window: sliding-window attention (a query sees keys less than ``window`` tokens back), or None.
         window_every_layer: False when only some layers slide: then a sequence longer than the window is
             refused (an attention call does not say which layer it is).
+        pipelined: the model runs as pipeline stages: ``shift_labels`` / ``num_items_in_batch`` are not added
+            (the pipeline's last stage computes the loss from the pre-shifted ``labels``).
 
     Raises (when called):
         TypeError: the batch is not a mapping with ``input_ids``/``inputs_embeds``.
@@ -98,10 +101,11 @@ class SequenceSplitter:
 
     def __init__(self, *, group, cp: int, rank: int, kind: str = "ring", load_balance: bool = True,
                  causal: bool = True, model: torch.nn.Module | None = None, window: int | None = None,
-                 window_every_layer: bool = True):
+                 window_every_layer: bool = True, pipelined: bool = False):
         self.layout = SequenceLayout(cp, rank, load_balance)
         self.group, self.kind, self.causal = group, kind, causal
         self.window, self.window_every_layer = window, window_every_layer
+        self.pipelined = pipelined
         self._names, self._any = forward_parameters(model) if model is not None else (set(), True)
         config = getattr(model, "config", None)
         heads = getattr(config, "num_attention_heads", None)
@@ -172,7 +176,7 @@ class SequenceSplitter:
                 out[k] = t
         if "position_ids" not in out:
             out["position_ids"] = lay.shard(pos)
-        if shifted is not None:
+        if shifted is not None and not self.pipelined:
             if self.accepts("shift_labels"):
                 out["shift_labels"] = shifted
             if self.accepts("num_items_in_batch"):

@@ -19,9 +19,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ...errors import StrategyError
+from ..context.sequence import active_sequence, labels_preshifted
 from .split import StageSpec, Unit
 from .stage import child
 
@@ -148,7 +150,16 @@ def _hf_causal_output(part: nn.Module, logits: torch.Tensor, inputs: dict[str, A
 
     labels = inputs.get("labels")
     loss = None
-    if labels is not None:  # the same call the model's forward makes
+    if labels is not None and labels_preshifted(labels):
+        # a sequence split shifted the labels over the whole sequence: no second shift, and each cp rank's sum
+        # divided by the micro-batch's target count over the cp group / cp, so the gradient average over cp gives
+        # the micro-batch's per-token mean, as the model's forward would
+        info = active_sequence()
+        count = (labels != -100).sum().double()
+        dist.all_reduce(count, group=info.group)
+        loss = part.loss_function(logits=logits, labels=labels, vocab_size=part.config.vocab_size,
+                                  shift_labels=labels, num_items_in_batch=count.clamp(min=1).float() / info.layout.cp)
+    elif labels is not None:  # the same call the model's forward makes
         loss = part.loss_function(logits=logits, labels=labels, vocab_size=part.config.vocab_size)
     return CausalLMOutputWithPast(loss=loss, logits=logits)
 

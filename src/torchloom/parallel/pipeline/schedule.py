@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
+from ..context.sequence import activate_rows
 from .families import Family
 from .placement import SCHEDULES
 from .split import StageSpec
@@ -42,9 +43,11 @@ class _LossAdapter:
         self.records: list[tuple[float, float, float, bool]] = []
         self.batch = self.inputs = self.loss_fn = self.module = None
         self.rows = 0
+        self.chunks = 1  # micro-batches of this call (the schedule splits ``rows`` into that many, in order)
 
-    def begin(self, batch, inputs, rows, loss_fn, module) -> None:
+    def begin(self, batch, inputs, rows, loss_fn, module, chunks: int = 1) -> None:
         self.batch, self.inputs, self.rows, self.loss_fn, self.module = batch, inputs, rows, loss_fn, module
+        self.chunks = chunks
         self.records = []
 
     def __call__(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -72,9 +75,32 @@ class _Stage(PipelineStage):
     def _prepare_backward_infra(self, *args, **kwargs):
         self._loom_adapter.inferring = True
         try:
-            return super()._prepare_backward_infra(*args, **kwargs)
+            with self._chunk_rows(0):  # (a sequence split's masks: the inference's micro-batch)
+                return super()._prepare_backward_infra(*args, **kwargs)
         finally:
             self._loom_adapter.inferring = False
+
+    # a sequence split (context parallel / Ulysses): attention inside a stage sees one micro-batch, so the split
+    # batch's per-sample masks must be those of its rows (the schedule splits every input along dim 0 in order)
+    def _chunk_rows(self, chunk: int):
+        per = self._loom_adapter.rows // max(self._loom_adapter.chunks, 1)
+        return activate_rows(chunk * per, (chunk + 1) * per)
+
+    def _prepare_forward_infra(self, *args, **kwargs):  # shape inference runs on the first micro-batch
+        with self._chunk_rows(0):
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        with self._chunk_rows(fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        with self._chunk_rows(bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        with self._chunk_rows(bwd_chunk_id):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def _compute_outputs(self, *args, module, **kwargs):
         if isinstance(module, DistributedDataParallel):
@@ -180,7 +206,7 @@ class PipelineDriver:
         key = (backward, tuple(x.shape), str(x.dtype), tuple(shapes))
         schedule = self._schedule(key)
         target = torch.arange(rows) if self.last is not None else None
-        self.adapter.begin(batch, inputs, rows, loss_fn, self.modules.get(self.last))
+        self.adapter.begin(batch, inputs, rows, loss_fn, self.modules.get(self.last), chunks=n)
         args = (x,) if self.has_first else ()
         if backward:
             schedule.step(*args, target=target, return_outputs=False, **kwargs)
