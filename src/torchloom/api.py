@@ -293,7 +293,8 @@ def auto_accelerate(
         m.configure(ctx)
     _default_dims(ctx)
     ctx.mesh = ParallelMesh(ctx.dims, device.type)
-    if ctx.mesh.dp_size > 1 and not any(type(m).data_parallel for m in methods):
+    # gradients must be reduced over dp, and over cp under a sequence split (cp peers hold different tokens)
+    if ctx.mesh.degree(ctx.mesh.grad_view) > 1 and not any(type(m).data_parallel for m in methods):
         # DDP cannot hold tensor-parallel DTensor parameters: replicate them with FSDP2 instead (the mesh
         # already put the data-parallel degree on dp_replicate, so nothing is sharded: DDP semantics)
         name, spec = replicating_data_parallel(tensor_parallel="tensor_parallel" in strategy)
@@ -302,7 +303,8 @@ def auto_accelerate(
         added = next(m for m in strategy.ordered() if type(m).name == name)
         added.configure(ctx)
         methods = sorted([*methods, added], key=lambda m: type(m).stage)
-        ctx.note(f"no data-parallel method given for dp={ctx.mesh.dp_size}: added {name}"
+        ctx.note(f"no data-parallel method given for {ctx.mesh.grad_view}={ctx.mesh.degree(ctx.mesh.grad_view)}: "
+                 f"added {name}"
                  + (" over dp_replicate (DDP cannot hold tensor-parallel DTensors)" if name == "fsdp" else ""))
     _check_dims_used(ctx.mesh.dims, methods)
     set_current_mesh(ctx.mesh)  # eval_loader / reduce_metrics without mesh= use its dp view

@@ -105,10 +105,9 @@ def test_loom_train_config_adds_the_split_and_refuses_bad_degrees():
         return c
 
     s = cfg(cp=2).full_strategy()
-    assert s[0] == {"parallel_mode": {"cp": 2, "dp_shard": 1}} and "context_parallel" in s
-    assert any(isinstance(m, dict) and "fsdp" in m for m in s)  # the default [ddp] runs as replicating fsdp
-    assert "ulysses" in cfg(ulysses=2).full_strategy()
-    for bad, match in ((dict(cp=3), "multiple of 2 x cp"), (dict(ulysses=4), "num_kv_heads"),
+    assert s == [{"parallel_mode": {"cp": 2}}, "context_parallel", "ddp"]  # ddp reduces over dp x cp
+    assert "ulysses" in cfg(ulysses=4).full_strategy()  # 2 kv heads: replicated for 4 ranks
+    for bad, match in ((dict(cp=3), "multiple of 2 x cp"), (dict(ulysses=8), "num_heads"),
                        (dict(cp=2, ulysses=2), "set one")):
         with pytest.raises(ConfigError, match=match):
             cfg(**bad).full_strategy()
@@ -154,3 +153,24 @@ def test_packed_documents_warn_once_unless_use_cache_is_off():
         split({"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": pos})
         split({"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": pos})
     assert len([w for w in caught if "use_cache=False" in str(w.message)]) == 1
+
+
+def test_masks_the_split_cannot_express_are_refused_at_setup():
+    """C22: never silent full-causal attention: mixed sliding/full layers and chunked attention name the mask kind
+    when the method is applied."""
+    from types import SimpleNamespace
+
+    from torchloom.parallel.context.install import attention_window, check_model
+
+    mixed = SimpleNamespace(config=SimpleNamespace(sliding_window=4, layer_types=["sliding_attention", "full_attention"]))
+    assert attention_window(mixed) == (4, False)
+    every = SimpleNamespace(config=SimpleNamespace(sliding_window=4, layer_types=["sliding_attention"] * 2))
+    assert attention_window(every) == (4, True)
+    assert attention_window(SimpleNamespace(config=SimpleNamespace(sliding_window=4, use_sliding_window=False))) == (
+        None, True)
+
+    class Llama4ForCausalLM(torch.nn.Module):
+        config = SimpleNamespace(attention_chunk_size=8192)
+
+    with pytest.raises(StrategyError, match="chunked attention"):
+        check_model(Llama4ForCausalLM(), "context_parallel")

@@ -7,7 +7,8 @@ of every sample; attention passes the key/value chunks around the ring (``cp - 1
 attention of the chunk already there) and merges the partial results with the online softmax. With causal load
 balancing each rank holds a chunk from the front and its mirror from the back, so causal work is even.
 Everything else (projections, MLP, norms, the loss) runs on the rank's tokens only. Parameters are not split by
-``cp``: FSDP shards them over ``dp_shard x cp`` (torchtitan's layout), so the strategy needs ``fsdp``.
+``cp``: FSDP shards them over ``dp_shard x cp`` (torchtitan's layout), DDP and ZeRO-1 reduce over ``dp x cp``;
+without a data-parallel method one is added (gradients must be reduced over the cp peers).
 """
 from __future__ import annotations
 
@@ -40,7 +41,6 @@ class ContextParallel(Method):
     Config = ContextParallelConfig
     stage = Stage.TENSOR + 1
     mesh_dims = ("cp",)
-    requires = ("fsdp",)
     conflicts = {"ulysses": "both split the sequence over cp; choose one"}
 
     def estimate(self, info, dims, hw, step):

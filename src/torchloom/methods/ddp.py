@@ -102,10 +102,10 @@ class DDP(Method):
             wire = grad_bytes / 2 if pd == 4 else grad_bytes
         elif c.comm_hook == "powersgd":
             e.notes.append("powersgd compression not modelled: priced as an uncompressed all-reduce")
-        if dims.dp > 1 and wire > 0:
+        if dims.dp * dims.cp > 1 and wire > 0:  # under a sequence split the cp peers reduce together
             n = max(1, math.ceil(grad_bytes / (c.bucket_cap_mb * 2**20)))
-            e.collectives.append(Collective("all_reduce", wire / n, "dp", calls=n, overlap="backward",
-                                            exposed_calls=1, label="ddp.all_reduce"))
+            e.collectives.append(Collective("all_reduce", wire / n, "dp_cp" if dims.cp > 1 else "dp", calls=n,
+                                            overlap="backward", exposed_calls=1, label="ddp.all_reduce"))
         if experts:
             expert_bytes = expert_params(info, dims) * pd
             if dims.edp > 1 and expert_bytes > 0:
@@ -115,7 +115,9 @@ class DDP(Method):
 
     def apply(self, ctx) -> None:
         c = self.config
-        group = ctx.mesh.group("dp")
+        # dp, or dp x cp under a sequence split: cp peers hold the same parameters and different tokens
+        view = ctx.mesh.grad_view
+        group = ctx.mesh.group(view)
         dev = ctx.device
         averaged = c.sync_buffers and any(running_stat_buffers(p) for p in ctx.model_parts)
         broadcast = (not averaged) if c.broadcast_buffers is None else c.broadcast_buffers
@@ -148,7 +150,7 @@ class DDP(Method):
 
         ctx.map_parts(wrap)
         note = notes[0] if notes else ""
-        ctx.note(f"ddp: DistributedDataParallel over dp={ctx.mesh.dp_size}" + (f"; {note}" if note else ""))
+        ctx.note(f"ddp: DistributedDataParallel over {view}={ctx.mesh.degree(view)}" + (f"; {note}" if note else ""))
         if c.sync_buffers:
             install_buffer_sync(ctx, "ddp")
         guard = ReductionGuard()

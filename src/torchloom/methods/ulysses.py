@@ -4,9 +4,9 @@ docs/methods/context_parallel.md).
 
 Around each attention an all-to-all swaps the rank's sequence shard of all heads for the whole sequence of
 ``H / cp`` heads, attention runs on whole sequences (the original SDPA kernel where only causal masking
-applies), and a second all-to-all returns the output to sequence shards. Needs ``cp`` to divide the query and
-key/value head counts (after tensor parallelism's split). Parameters are not split by ``cp``: FSDP shards over
-``dp_shard x cp``.
+applies), and a second all-to-all returns the output to sequence shards. Needs ``cp`` to divide the query
+heads (after tensor parallelism's split); key/value heads it does not divide are replicated to their query-head
+groups. Parameters are not split by ``cp``: FSDP shards over ``dp_shard x cp``, DDP reduces over ``dp x cp``.
 """
 from __future__ import annotations
 
@@ -37,13 +37,13 @@ class Ulysses(Method):
     Config = UlyssesConfig
     stage = Stage.TENSOR + 1
     mesh_dims = ("cp",)
-    requires = ("fsdp",)
 
     def estimate(self, info, dims, hw, step):
         """Per rank: the tokens, so every pass's FLOPs, activations and transients, 1/cp (attention: whole
         sequences of ``H/cp`` heads). Per attention layer and micro-batch four all-to-alls forward (q, k, v, the
-        output; ``tokens/cp x heads/tp x head_dim`` each in the compute dtype, k/v with the key/value heads) and
-        four backward, none overlapped (attention waits for them)."""
+        output; ``tokens/cp x heads/tp x head_dim`` each in the compute dtype, k/v with the key/value heads, or
+        the query heads when cp does not divide them and they are replicated) and four backward, none overlapped
+        (attention waits for them)."""
         cp = dims.cp
         if cp <= 1:
             return None
@@ -56,7 +56,8 @@ class Ulysses(Method):
         layers = blocks_per_rank(info, dims)
         if h and hd and layers:
             tokens = step.micro_batch * step.seq_len / cp
-            nbytes = tokens * (2 * h + 2 * kv) / max(dims.tp, 1) * hd * dtype_bytes(step.compute_dtype)
+            kv_sent = kv if (kv // max(dims.tp, 1)) % cp == 0 else h  # replicated when cp does not divide them
+            nbytes = tokens * (2 * h + 2 * kv_sent) / max(dims.tp, 1) * hd * dtype_bytes(step.compute_dtype)
             m = step.grad_accum
             e.collectives += [Collective("all_to_all", nbytes, "cp", calls=m * layers, label="ulysses.all_to_all",
                                          recomputed=True),
@@ -91,19 +92,20 @@ class Ulysses(Method):
 
 
 def check_heads(heads: int | None, kv_heads: int | None, tp: int, cp: int) -> None:
-    """Ulysses splits the heads a rank holds over cp.
+    """Ulysses splits the query heads a rank holds over cp (key/value heads cp does not divide are replicated
+    to their query-head groups at run time).
 
     Raises:
-        StrategyError: cp does not divide the query or key/value heads per tensor-parallel rank (the degrees
+        StrategyError: cp does not divide the query heads per tensor-parallel rank (the head counts, the degrees
             that would, and context_parallel as the alternative, named).
     """
-    for what, n in (("attention heads", heads), ("key/value heads", kv_heads)):
-        if not n:
-            continue
-        per = n // max(tp, 1)
-        if per % cp:
-            ok = [k for k in range(2, per + 1) if per % k == 0]
-            choose = f"choose cp among {ok}, or use" if ok else f"no cp > 1 divides {per} head; use"
-            raise StrategyError(
-                f"ulysses: cp={cp} does not divide the {per} {what} per tensor-parallel rank ({n} / tp={tp}); {choose} "
-                "context_parallel (ring attention has no head limit).")
+    if not heads:
+        return
+    per = heads // max(tp, 1)
+    if per % cp:
+        ok = [k for k in range(2, per + 1) if per % k == 0]
+        choose = f"choose cp among {ok}, or use" if ok else f"no cp > 1 divides {per} head; use"
+        kv = f" ({kv_heads} key/value heads)" if kv_heads else ""
+        raise StrategyError(
+            f"ulysses: cp={cp} does not divide the {per} attention heads per tensor-parallel rank ({heads} heads{kv} / "
+            f"tp={tp}); {choose} context_parallel (ring attention has no head limit).")

@@ -92,10 +92,11 @@ class Zero1(Method):
         group = {**opt.defaults, **{k: v for k, v in opt.param_groups[0].items() if k != "params"}}
         defaults = {k: v for k, v in group.items() if k in accepted}
         zero = ZeroRedundancyOptimizer(
-            params, optimizer_class=opt_cls, process_group=ctx.mesh.group("dp"), **defaults
+            params, optimizer_class=opt_cls, process_group=ctx.mesh.group(ctx.mesh.grad_view), **defaults
         )
         ctx.optimizer = zero
-        ctx.note(f"zero1: optimizer state sharded over dp={ctx.mesh.dp_size} ({opt_cls.__name__})")
+        view = ctx.mesh.grad_view
+        ctx.note(f"zero1: optimizer state sharded over {view}={ctx.mesh.degree(view)} ({opt_cls.__name__})")
 
 
 def _refuse_experts(ctx) -> None:

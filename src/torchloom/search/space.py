@@ -297,14 +297,13 @@ def cp_degrees(info: ModelInfo, world_size: int, options: SearchOptions) -> list
 
 def _sequence_splits(info: ModelInfo, dims: ParallelDims, options: SearchOptions) -> list[tuple | None]:
     """The sequence-split items of a ``cp > 1`` mesh: ring attention, and Ulysses where cp divides the query
-    and key/value heads per tensor-parallel rank (and neither is excluded); ``[None]`` for ``cp = 1``."""
+    heads per tensor-parallel rank (and neither is excluded); ``[None]`` for ``cp = 1``."""
     if dims.cp == 1:
         return [None]
     out = [CP_ITEM] if "context_parallel" not in options.exclude else []
     d = info.dims
-    heads, kv = d.get("num_heads"), d.get("num_kv_heads") or d.get("num_heads")
-    if "ulysses" not in options.exclude and heads and kv and not (heads // dims.tp) % dims.cp \
-            and not (kv // dims.tp) % dims.cp and not heads % dims.tp and not kv % dims.tp:
+    heads = d.get("num_heads")
+    if "ulysses" not in options.exclude and heads and not heads % dims.tp and not (heads // dims.tp) % dims.cp:
         out.append(ULYSSES_ITEM)
     return out or [CP_ITEM]
 

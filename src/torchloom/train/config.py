@@ -221,8 +221,9 @@ class ParallelConfig:
         ring attention (adds ``context_parallel``; docs/methods/context_parallel.md). ``model.seq_len`` must be
         a multiple of ``2 x cp``.
     ulysses: the same split with DeepSpeed-Ulysses all-to-all attention (adds ``ulysses``); must divide
-        ``model.num_heads`` and ``model.num_kv_heads`` (per tp rank) and ``model.seq_len``. One of cp/ulysses.
-    A sequence split runs under fsdp (a plain ``ddp`` becomes replicating fsdp, as with tp).
+        ``model.num_heads`` (per tp rank) and ``model.seq_len`` (key/value heads it does not divide are
+        replicated). One of cp/ulysses.
+    Under a sequence split ddp/zero1 reduce over dp x cp and fsdp shards over dp_shard x cp.
     """
 
     tp: int = 1
@@ -548,8 +549,7 @@ class TrainConfig:
             dims["cp"] = split[1]
         from ..strategy.data_parallel import swap_ddp_for_fsdp
 
-        # ddp cannot hold tp's DTensors, and a sequence split reduces gradients over dp x cp with fsdp
-        strategy, swapped = swap_ddp_for_fsdp(self.strategy, tensor_parallel=p.tp > 1 or split is not None)
+        strategy, swapped = swap_ddp_for_fsdp(self.strategy, tensor_parallel=p.tp > 1)  # ddp holds no DTensors
         if swapped:
             if p.dp_shard is None:  # replicate, as DDP does: dp_replicate takes the rest of the world
                 dims["dp_shard"] = 1
@@ -569,10 +569,6 @@ class TrainConfig:
             out.append("expert_parallel")
         if split is not None and split[0] not in names:
             out.append(split[0])
-            if not any(n in ("fsdp", "zero2", "zero3", "fsdp2") for n in names):
-                raise ConfigError(f"parallel.{'cp' if split[0] == 'context_parallel' else 'ulysses'} splits the sequence "
-                                  "and needs fsdp in strategy (FSDP shards over dp_shard x cp and reduces gradients "
-                                  f"over the cp ranks); strategy is {self.strategy}: add fsdp.")
         for flag in ("sequence_parallel", "loss_parallel"):
             if getattr(p, flag) and flag not in names:
                 out.append(flag)
@@ -598,12 +594,11 @@ class TrainConfig:
             if m.seq_len % u:
                 raise ConfigError(f"parallel.ulysses={u} does not divide model.seq_len={m.seq_len}; set model.seq_len to "
                                   f"a multiple of {u}.")
-            for what, n in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads)):
-                per = n // p.tp
-                if per % u:
-                    raise ConfigError(f"parallel.ulysses={u} does not divide {what}={n}"
-                                      + (f" per tp rank ({per})" if p.tp > 1 else "")
-                                      + "; choose a divisor, or parallel.cp (ring attention has no head limit).")
+            per = m.num_heads // p.tp  # (key/value heads it does not divide are replicated)
+            if per % u:
+                raise ConfigError(f"parallel.ulysses={u} does not divide model.num_heads={m.num_heads}"
+                                  + (f" per tp rank ({per})" if p.tp > 1 else "")
+                                  + "; choose a divisor, or parallel.cp (ring attention has no head limit).")
             return "ulysses", u
         return None
 

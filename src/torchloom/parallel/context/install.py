@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ...errors import StrategyError
 from .dispatch import sequence_attention
-from .split import SequenceSplitter
+from .split import SequenceSplitter, attention_window
 
 
 def configure_degree(ctx, method: str, size: int | None) -> None:
@@ -38,23 +38,6 @@ def use_sdpa_attention(model) -> str | None:
     return impl
 
 
-def attention_window(model) -> tuple[int | None, bool]:
-    """``(window, every_layer)`` of a Hugging Face model's sliding-window attention (a query sees the keys less
-    than ``window`` tokens back, HF's ``sliding_window_overlay``), or ``(None, True)`` without one.
-    ``every_layer`` is False when only some layers slide (``config.layer_types`` mixed)."""
-    config = getattr(model, "config", None)
-    window = getattr(config, "sliding_window", None) if config is not None else None
-    if not window or not getattr(config, "use_sliding_window", True):
-        return None, True
-    types = getattr(config, "layer_types", None)
-    if not types:
-        return int(window), True
-    sliding = [t == "sliding_attention" for t in types]
-    if not any(sliding):
-        return None, True
-    return int(window), all(sliding)
-
-
 def check_model(model, method: str) -> None:
     """Refuse what the split cannot compute exactly: attention dropout, and Hugging Face heads other than causal
     LM ones (a sequence classifier pools one token per rank; token labels must not be shifted).
@@ -69,6 +52,11 @@ def check_model(model, method: str) -> None:
                             "so a sequence-level head would pool one rank's tokens only. Use a *ForCausalLM model or "
                             "train without the split.")
     config = getattr(model, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None) if config is not None else None
+    if chunk:
+        raise StrategyError(f"{method}: the model uses chunked attention (attention_chunk_size={chunk}), a mask the "
+                            "sequence split does not express. Supported: full causal attention, a sliding window on "
+                            "every layer, padding and packed documents.")
     if config is not None and getattr(config, "attention_dropout", 0.0):
         raise StrategyError(f"{method}: the model has attention_dropout={config.attention_dropout}; attention dropout "
                             "is not supported under a sequence split. Set config.attention_dropout = 0.")
@@ -87,6 +75,11 @@ def install(ctx, *, method: str, kind: str, load_balance: bool, causal: bool) ->
     model = ctx.model
     check_model(model, method)
     window, every_layer = attention_window(model)
+    if window and not every_layer:
+        raise StrategyError(f"{method}: the model mixes sliding-window attention (window {window}) with full attention "
+                            "layers (config.layer_types); an attention call does not say which layer it is, so the "
+                            "split cannot give each its mask. Supported: full causal attention, or a sliding window on "
+                            "every layer (Mistral); padding and packed documents on either.")
     old = use_sdpa_attention(model)
     if old is not None:
         ctx.note(f"{method}: attention implementation {old!r} switched to 'sdpa' (the split routes SDPA calls)")

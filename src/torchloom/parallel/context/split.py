@@ -55,6 +55,23 @@ def _warn_documents(batch) -> None:
                   "across documents): compare with use_cache=False, or pass it in the batch.", stacklevel=3)
 
 
+def attention_window(model) -> tuple[int | None, bool]:
+    """``(window, every_layer)`` of a Hugging Face model's sliding-window attention (a query sees the keys less
+    than ``window`` tokens back, HF's ``sliding_window_overlay``), or ``(None, True)`` without one.
+    ``every_layer`` is False when only some layers slide (``config.layer_types`` mixed)."""
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None) if config is not None else None
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None, True
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return int(window), True
+    sliding = [t == "sliding_attention" for t in types]
+    if not any(sliding):
+        return None, True
+    return int(window), all(sliding)
+
+
 def forward_parameters(model: torch.nn.Module) -> tuple[set[str], bool]:
     """The keyword names ``model.forward`` accepts and whether it takes ``**kwargs``."""
     params = inspect.signature(model.forward).parameters.values()
@@ -87,7 +104,8 @@ class SequenceSplitter:
         causal: the mask for attention calls that pass one (see :class:`SequenceInfo`).
         model: its ``forward`` signature decides which of ``position_ids``, ``shift_labels`` and
             ``num_items_in_batch`` are passed.
-        window: sliding-window attention (a query sees keys less than ``window`` tokens back), or None.
+        window: sliding-window attention (a query sees keys less than ``window`` tokens back), None, or
+            ``"model"`` (default): the model config's (``attention_window``).
         window_every_layer: False when only some layers slide: then a sequence longer than the window is
             refused (an attention call does not say which layer it is).
         pipelined: the model runs as pipeline stages: ``shift_labels`` / ``num_items_in_batch`` are not added
@@ -100,10 +118,12 @@ class SequenceSplitter:
     """
 
     def __init__(self, *, group, cp: int, rank: int, kind: str = "ring", load_balance: bool = True,
-                 causal: bool = True, model: torch.nn.Module | None = None, window: int | None = None,
+                 causal: bool = True, model: torch.nn.Module | None = None, window: int | None | str = "model",
                  window_every_layer: bool = True, pipelined: bool = False):
         self.layout = SequenceLayout(cp, rank, load_balance)
         self.group, self.kind, self.causal = group, kind, causal
+        if window == "model":
+            window, window_every_layer = attention_window(model)
         self.window, self.window_every_layer = window, window_every_layer
         self.pipelined = pipelined
         self._names, self._any = forward_parameters(model) if model is not None else (set(), True)

@@ -1,7 +1,9 @@
 """Ulysses attention (Jacobs et al., "DeepSpeed Ulysses", 2023): an all-to-all turns the cp ranks' sequence
 shards of all heads into full sequences of ``H / cp`` heads each; attention runs locally on whole sequences;
 a second all-to-all returns the output to sequence shards. Needs the contiguous layout (the gathered chunks
-concatenate in sequence order) and ``cp`` dividing both the query and the key/value head counts.
+concatenate in sequence order) and ``cp`` dividing the query heads; key/value heads that ``cp`` does not divide
+(grouped-query attention with fewer key/value heads than ranks) are replicated to their query-head groups
+first (verl and DeepSpeed do the same).
 """
 from __future__ import annotations
 
@@ -71,9 +73,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: S
     Causal attention without per-sample masks runs the original SDPA (``sdpa``: a flash kernel on GPUs);
     padding and documents run :func:`masked_attention`."""
     cp, group = info.layout.cp, info.group
-    if q.shape[1] % cp or k.shape[1] % cp:
-        raise ValueError(f"ulysses: cp={cp} must divide the {q.shape[1]} query and {k.shape[1]} key/value heads of "
-                         "this rank's attention; choose a cp that divides both, or use context_parallel.")
+    if q.shape[1] % cp:
+        raise ValueError(f"ulysses: cp={cp} must divide the {q.shape[1]} query heads of this rank's attention; choose "
+                         "a cp that divides them, or use context_parallel.")
+    if k.shape[1] % cp:
+        # fewer key/value heads than cp (or not a multiple): replicate each to its query-head group (GQA order),
+        # so every rank's query heads meet the key/value head the grouping assigns them; the backward of the
+        # replication sums the gradients over the copies
+        k, v = expand_heads(k, q.shape[1] // k.shape[1]), expand_heads(v, q.shape[1] // k.shape[1])
     if scale is None:
         scale = q.shape[-1] ** -0.5
     qh, kh, vh = (_SeqToHeads.apply(t, group, cp) for t in (q, k, v))
