@@ -129,6 +129,7 @@ def cases_4() -> dict:
     ids = token_batches(2, seq=SEQ)
     one = {"input_ids": ids[:1], "labels": ids[:1].clone()}
     out = {
+        "c21_cp_x_sp": train_grads("llama", [P(cp=4), ("context_parallel", {"ulysses": 2}), "fsdp"], one),
         "c21_cp_tp_sp": train_grads("llama", [P(cp=2, tp=2), "tensor_parallel", "sequence_parallel",
                                               "context_parallel", "fsdp"], one),
         "c24_dp_sp": train_grads("llama", [P(dp_shard=2, cp=2), "ulysses", "fsdp"], {"input_ids": ids,

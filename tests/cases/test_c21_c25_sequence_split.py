@@ -7,9 +7,9 @@ One 2-rank and one 4-rank launch (tests/cases/_seq_workers.py); every run has a 
 same model and batch computed in the rank. Tolerances (the cases' own): loss rtol 1e-5, gradients rtol 1e-4
 (atol 1e-6 for entries near zero), logits atol 1e-5 (fp32; only the order of sums differs).
 
-C21 (c) "CP=2 x SP=2 on 4 processes" runs as context parallel 2 x tensor parallel 2 with Megatron sequence
-parallelism: a ring x Ulysses hybrid on one sequence axis is not supported (`context_parallel` and `ulysses`
-declare a conflict: choose one).
+C21 (c) "CP=2 x SP=2 on 4 processes" runs as the ring x Ulysses hybrid (`("context_parallel", {"ulysses": 2})`
+on cp=4: the ring over 2 ranks, Ulysses over 2) and, as well, as context parallel 2 x tensor parallel 2 with
+Megatron sequence parallelism.
 """
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ def test_c21_labels_are_shifted_before_the_split():
         for r in (r0, r1):
             _matches_reference(r[key], key)
     for r in runs(4):
+        _matches_reference(r["c21_cp_x_sp"], "ring 2 x ulysses 2")
         _matches_reference(r["c21_cp_tp_sp"], "cp2 x tp2 (sequence parallel)")
 
 

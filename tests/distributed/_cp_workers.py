@@ -74,10 +74,19 @@ def attention_cases(cases: list[dict]) -> list[dict]:
         b, s = q.shape[0], q.shape[2]
         valid, document = _facts(b, s, c.get("padded", False), c.get("docs", False))
         ref = reference_attention(q, k, v, do, c["causal"], valid, document)
-        lay = SequenceLayout(cp, rank, c.get("load_balance", c["kind"] == "ring"))
-        info = SequenceInfo(lay, s, b, document=document, valid=valid, kind=c["kind"], group=group)
+        if c["kind"] == "hybrid":  # ring over cp/2 ranks x Ulysses over 2 adjacent ranks
+            u = 2
+            rings = [dist.new_group(list(range(i, cp, u))) for i in range(u)]
+            ulys = [dist.new_group(list(range(i, i + u))) for i in range(0, cp, u)]
+            lay = SequenceLayout(cp, rank, True, u)
+            info = SequenceInfo(lay, s, b, document=document, valid=valid, kind="ring", group=group,
+                                ring_group=rings[rank % u], ulysses_group=ulys[rank // u])
+        else:
+            u = cp if c["kind"] == "ulysses" else 1
+            lay = SequenceLayout(cp, rank, c.get("load_balance", c["kind"] == "ring"), u)
+            info = SequenceInfo(lay, s, b, document=document, valid=valid, kind=c["kind"], group=group)
         ql, kl, vl = (lay.shard(t, 2).detach().requires_grad_() for t in (q, k, v))
-        fn = ring_attention if c["kind"] == "ring" else ulysses_attention
+        fn = ring_attention if lay.ulysses == 1 else ulysses_attention
         with activate(info):
             o = fn(ql, kl, vl, info, causal=c["causal"])
             o.backward(lay.shard(do, 2))

@@ -41,6 +41,9 @@ ATTN_2 = {**ATTN, "ring_gqa_contiguous": dict(kind="ring", causal=True, load_bal
           "ring_bf16": dict(kind="ring", causal=True, dtype=torch.bfloat16)}
 ATTN_4 = {k: v for k, v in ATTN.items() if k.endswith("both") or k.endswith("plain")}
 ATTN_4["ring_gqa"] = dict(kind="ring", causal=True, hkv=2)
+ATTN_4["ulysses_gqa_replicated_kv"] = dict(kind="ulysses", causal=True, hkv=2)  # 2 kv heads on 4 ranks
+ATTN_4.update({f"hybrid_{m}": dict(kind="hybrid", causal=True, padded=m == "both", docs=m == "both", hkv=hkv)
+               for m, hkv in (("plain", 2), ("both", 4))})
 ATTN_4["ring_bf16"] = dict(kind="ring", causal=True, dtype=torch.bfloat16)
 
 TRAIN_2 = {
@@ -57,6 +60,8 @@ TRAIN_2 = {
 }
 TRAIN_4 = {
     "cp4_padded": dict(strategy=[P(cp=4), "context_parallel", "fsdp"], kind="padded"),
+    "ring2_x_ulysses2_padded_sumloss": dict(strategy=[P(cp=4), ("context_parallel", {"ulysses": 2}), "fsdp"],
+                                            kind="padded", loss="sum"),
     "fsdp2_cp2_sumloss": dict(strategy=[P(dp_shard=2, cp=2), "context_parallel", "fsdp"], loss="sum"),
     "hsdp_ulysses_packed": dict(strategy=[P(dp_replicate=2, cp=2), "ulysses", "fsdp"], kind="packed"),
     "tp2_cp2_padded_sumloss": dict(strategy=[P(cp=2, tp=2), "tensor_parallel", "context_parallel", "fsdp"],

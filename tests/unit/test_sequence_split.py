@@ -107,8 +107,13 @@ def test_loom_train_config_adds_the_split_and_refuses_bad_degrees():
     s = cfg(cp=2).full_strategy()
     assert s == [{"parallel_mode": {"cp": 2}}, "context_parallel", "ddp"]  # ddp reduces over dp x cp
     assert "ulysses" in cfg(ulysses=4).full_strategy()  # 2 kv heads: replicated for 4 ranks
+    hybrid = cfg(cp=2, ulysses=2).full_strategy()  # ring 2 x Ulysses 2 on 4 ranks
+    assert hybrid[0] == {"parallel_mode": {"cp": 4}} and {"context_parallel": {"ulysses": 2}} in hybrid
+    # ring rank 0 (cp ranks 0, 1) holds chunks 0 and 3 of 4, ring rank 1 (cp ranks 2, 3) chunks 1 and 2; its
+    # Ulysses members one each
+    assert [SequenceLayout(4, r, True, 2).indices(16).tolist()[0] for r in range(4)] == [0, 12, 4, 8]
     for bad, match in ((dict(cp=3), "multiple of 2 x cp"), (dict(ulysses=8), "num_heads"),
-                       (dict(cp=2, ulysses=2), "set one")):
+                       (dict(cp=3, ulysses=2), "multiple of 2 x 6")):
         with pytest.raises(ConfigError, match=match):
             cfg(**bad).full_strategy()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ..cost.effects import Collective, Effects, blocks_per_rank, dtype_bytes
 from ..errors import StrategyError
 from ..parallel.context.install import configure_degree, install
+from .ulysses import check_heads
 from ..strategy.registry import Method, Stage, register_method
 
 
@@ -25,11 +26,15 @@ class ContextParallelConfig:
     """size: the cp degree (or ``parallel_mode``'s ``cp``). load_balance: give each rank a front chunk and its
     mirrored back chunk (even causal work); without it the last rank does ``(2 cp - 1) / cp`` of the mean
     attention work. causal: the mask for attention calls that pass a (rank-local) mask instead of
-    ``is_causal``: it is replaced by the global causal one (True, causal LMs) or by padding/documents only."""
+    ``is_causal``: it is replaced by the global causal one (True, causal LMs) or by padding/documents only.
+    ulysses: the ring x Ulysses hybrid (USP, Fang & Zhao 2024): Ulysses all-to-alls over ``ulysses`` adjacent cp
+    ranks, the ring over the ``cp / ulysses`` groups (``cp=4, ulysses=2``: "CP 2 x SP 2"); must divide cp and the
+    attention heads per tp rank. 1: ring only."""
 
     size: int | None = None
     load_balance: bool = True
     causal: bool = True
+    ulysses: int = 1
 
 
 @register_method
@@ -89,6 +94,12 @@ class ContextParallel(Method):
         if dims.ep > 1:
             raise StrategyError(f"context_parallel with ep={dims.ep}: context and expert parallelism together are "
                                 "not supported yet; choose one.")
+        u = self.config.ulysses
+        if u > 1:
+            if cp % u:
+                raise StrategyError(f"context_parallel: ulysses={u} does not divide cp={cp}; choose a divisor.")
+            d = info.dims
+            check_heads(d.get("num_heads"), d.get("num_kv_heads") or d.get("num_heads"), dims.tp, u)
         seq = info.seq_len
         chunks = 2 * cp if self.config.load_balance else cp
         if seq % chunks:
@@ -103,7 +114,17 @@ class ContextParallel(Method):
         if ctx.mesh.dims.ep > 1:
             raise StrategyError(f"context_parallel with ep={ctx.mesh.dims.ep}: context and expert parallelism together "
                                 "are not supported yet; choose one.")
-        install(ctx, method=self.name, kind="ring", load_balance=self.config.load_balance, causal=self.config.causal)
+        u, cp = self.config.ulysses, ctx.mesh.dims.cp
+        if u > 1:
+            if cp % u:
+                raise StrategyError(f"context_parallel: ulysses={u} does not divide cp={cp}; the hybrid runs Ulysses "
+                                    f"over {u} of the cp ranks and the ring over cp / ulysses: choose a divisor.")
+            config = getattr(ctx.model, "config", None)
+            if config is not None:
+                h = getattr(config, "num_attention_heads", None)
+                check_heads(h, getattr(config, "num_key_value_heads", None) or h, ctx.mesh.dims.tp, u)
+        install(ctx, method=self.name, kind="ring", load_balance=self.config.load_balance, causal=self.config.causal,
+                ulysses=u)
 
 
 def _attention_share(info) -> float:

@@ -161,22 +161,38 @@ class ParallelMesh:
             self._flat["sparse"] = self._flat["dp"]._unflatten(0, (self.dims.edp, self.dims.ep), EXPERT_VIEWS)
         return self._flat["sparse"]
 
-    def sequence_group(self) -> dist.ProcessGroup:
-        """A process group of this rank's cp peers of its own, for the sequence split's ring sends and
-        all-to-alls. Not ``mesh.group("cp")``: a mesh dimension spanning the whole world reuses the default
-        group, where FSDP's asynchronous all-gathers run on gloo's work thread while the ring's point-to-point
-        messages go over the same connections, and a receive can match another operation's message (gloo:
-        "Received data size doesn't match expected size"). Built once; a collective call (every rank creates
-        every cp group, in the same order)."""
-        if "cp_ring" not in self._groups:
+    def sequence_group(self, ulysses: int = 1) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+        """Process groups of this rank's cp peers, of their own, for the sequence split: ``(ring group,
+        Ulysses group)``. With ``ulysses == 1`` the ring group is the whole cp group (no Ulysses group); with
+        ``ulysses == cp`` the Ulysses group is; in between (the hybrid) the Ulysses groups are ``ulysses``
+        adjacent cp ranks and the ring groups the ranks at the same place in them. Not ``mesh.group("cp")``: a
+        mesh dimension spanning the whole world reuses the default group, where FSDP's asynchronous
+        all-gathers run on gloo's work thread while the ring's point-to-point messages go over the same
+        connections, and a receive can match another operation's message (gloo: "Received data size doesn't
+        match expected size"). Built once per degree; a collective call (every rank creates every group, in
+        the same order).
+
+        Raises:
+            StrategyError: ``ulysses`` does not divide cp.
+        """
+        cp = self.dims.cp
+        if cp % ulysses:
+            raise StrategyError(f"Ulysses degree {ulysses} does not divide cp={cp}; choose a divisor.")
+        key = f"cp_seq{ulysses}"
+        if key not in self._groups:
             names = self.world.mesh_dim_names
-            grid = self.world.mesh.movedim(names.index("cp"), -1).reshape(-1, self.dims.cp)
+            grid = self.world.mesh.movedim(names.index("cp"), -1).reshape(-1, cp)
             me = dist.get_rank()
+            ring = uly = None
             for ranks in grid.tolist():
-                group = dist.new_group(ranks)
-                if me in ranks:
-                    self._groups["cp_ring"] = group
-        return self._groups["cp_ring"]
+                for sub in ([ranks[i::ulysses] for i in range(ulysses)] if ulysses < cp else []):
+                    g = dist.new_group(sub)
+                    ring = g if me in sub else ring
+                for sub in ([ranks[i:i + ulysses] for i in range(0, cp, ulysses)] if ulysses > 1 else []):
+                    g = dist.new_group(sub)
+                    uly = g if me in sub else uly
+            self._groups[key] = (ring, uly)
+        return self._groups[key]
 
     def degree(self, name: str) -> int:
         d = self.dims

@@ -222,7 +222,7 @@ class ParallelConfig:
         a multiple of ``2 x cp``.
     ulysses: the same split with DeepSpeed-Ulysses all-to-all attention (adds ``ulysses``); must divide
         ``model.num_heads`` (per tp rank) and ``model.seq_len`` (key/value heads it does not divide are
-        replicated). One of cp/ulysses.
+        replicated). Both cp and ulysses: the ring x Ulysses hybrid over cp x ulysses ranks.
     Under a sequence split ddp/zero1 reduce over dp x cp and fsdp shards over dp_shard x cp.
     """
 
@@ -414,9 +414,9 @@ class TrainConfig:
         strategy = self.full_strategy()
         self.check_expert_degree(world_size)
         p = self.parallel
-        split = max(p.cp, p.ulysses)
+        split = p.cp * p.ulysses
         if split > 1 and world_size % (split * p.tp * p.pp):
-            key = "cp" if p.cp > 1 else "ulysses"
+            key = "cp" if p.ulysses == 1 else "ulysses" if p.cp == 1 else "cp x ulysses"
             raise ConfigError(f"parallel.{key}={split} (x tp={p.tp} x pp={p.pp}) does not divide the {world_size} "
                               f"processes: the sequence is split over {split} ranks; use --nproc a multiple of "
                               f"{split * p.tp * p.pp} or a smaller parallel.{key}.")
@@ -567,23 +567,30 @@ class TrainConfig:
             out.append("tensor_parallel")
         if p.ep > 1 and "expert_parallel" not in names:
             out.append("expert_parallel")
-        if split is not None and split[0] not in names:
-            out.append(split[0])
+        if split is not None and (split[0] if isinstance(split[0], str) else split[0][0]) not in names:
+            out.append(split[0] if isinstance(split[0], str) else {split[0][0]: split[0][1]})
         for flag in ("sequence_parallel", "loss_parallel"):
             if getattr(p, flag) and flag not in names:
                 out.append(flag)
         return out + strategy
 
-    def _check_sequence_split(self) -> tuple[str, int] | None:
-        """``(method, degree)`` of ``parallel.cp`` / ``parallel.ulysses``, or None; checked against the model
-        here, before any process starts.
+    def _check_sequence_split(self) -> tuple[Any, int] | None:
+        """``(method item, cp mesh degree)`` of ``parallel.cp`` / ``parallel.ulysses`` (both: the ring x Ulysses
+        hybrid over cp x ulysses ranks), or None; checked against the model here, before any process starts.
 
         Raises:
-            ConfigError: both set, a sequence the chunks do not divide, or (Ulysses) heads cp does not divide.
+            ConfigError: a sequence the chunks do not divide, or heads the Ulysses degree does not divide.
         """
         p, m = self.parallel, self.model
-        if p.cp > 1 and p.ulysses > 1:
-            raise ConfigError(f"parallel.cp={p.cp} and parallel.ulysses={p.ulysses} both split the sequence; set one.")
+        if p.cp > 1 and p.ulysses > 1:  # the hybrid: the ring over cp ranks, Ulysses inside each
+            total = p.cp * p.ulysses
+            if m.seq_len % (2 * total):
+                raise ConfigError(f"parallel.cp={p.cp} x parallel.ulysses={p.ulysses}: model.seq_len={m.seq_len} must be "
+                                  f"a multiple of 2 x {total} = {2 * total}; set model.seq_len to a multiple.")
+            if (m.num_heads // p.tp) % p.ulysses:
+                raise ConfigError(f"parallel.ulysses={p.ulysses} does not divide model.num_heads={m.num_heads} per tp "
+                                  f"rank ({m.num_heads // p.tp}); choose a divisor.")
+            return ("context_parallel", {"ulysses": p.ulysses}), total
         if p.cp > 1:
             if m.seq_len % (2 * p.cp):
                 raise ConfigError(f"parallel.cp={p.cp}: model.seq_len={m.seq_len} must be a multiple of 2 x cp = "

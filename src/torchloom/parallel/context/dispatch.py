@@ -50,7 +50,7 @@ def _routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     # a mask the model passes was built from its rank-local tokens: replaced by the global one
     causal = bool(is_causal) or (attn_mask is not None and info.causal)
     info.calls += 1
-    if info.kind == "ulysses":
+    if info.layout.ulysses > 1:  # Ulysses, or the ring x Ulysses hybrid
         return ulysses_attention(query, key, value, info, causal=causal, scale=scale, sdpa=_ORIGINAL)
     return ring_attention(query, key, value, info, causal=causal, scale=scale)
 

@@ -62,7 +62,7 @@ def check_model(model, method: str) -> None:
                             "is not supported under a sequence split. Set config.attention_dropout = 0.")
 
 
-def install(ctx, *, method: str, kind: str, load_balance: bool, causal: bool) -> None:
+def install(ctx, *, method: str, kind: str, load_balance: bool, causal: bool, ulysses: int = 1) -> None:
     """Give ``ctx`` the split: ``ctx.sequence_split`` (TrainStep splits every batch) and the SDPA routing
     around forward, loss and backward (``ctx.step_contexts``)."""
     cp = ctx.mesh.dims.cp
@@ -83,13 +83,18 @@ def install(ctx, *, method: str, kind: str, load_balance: bool, causal: bool) ->
     old = use_sdpa_attention(model)
     if old is not None:
         ctx.note(f"{method}: attention implementation {old!r} switched to 'sdpa' (the split routes SDPA calls)")
-    group = ctx.mesh.sequence_group()  # its own connections: FSDP's async collectives run beside the ring
+    # groups of their own: FSDP's asynchronous collectives run beside the ring's sends
+    group = ctx.mesh.sequence_group(1)[0]
+    u = cp if kind == "ulysses" else ulysses
+    ring_group, ulysses_group = ctx.mesh.sequence_group(u) if u > 1 else (group, None)
     rank = ctx.mesh["cp"].get_local_rank()
     ctx.sequence_split = SequenceSplitter(group=group, cp=cp, rank=rank, kind=kind, load_balance=load_balance,
+                                          ulysses=ulysses, ring_group=ring_group, ulysses_group=ulysses_group,
                                           causal=causal, model=model, window=window,
                                           window_every_layer=every_layer, pipelined=ctx.parts is not None)
     ctx.step_contexts.append(sequence_attention)
-    layout = "load-balanced zigzag chunks" if load_balance else "contiguous chunks"
-    ctx.note(f"{method}: every sample's sequence split over cp={cp} ({layout}); attention by "
-             f"{'ring attention' if kind == 'ring' else 'Ulysses all-to-all'}; FSDP shards over dp_shard x cp and "
-             "gradients reduce over dp x cp")
+    layout = "load-balanced zigzag chunks" if load_balance and kind == "ring" else "contiguous chunks"
+    how = ("Ulysses all-to-all" if kind == "ulysses" else "ring attention" if ulysses == 1 else
+           f"ring attention over {cp // ulysses} ring ranks x Ulysses all-to-all over {ulysses}")
+    ctx.note(f"{method}: every sample's sequence split over cp={cp} ({layout}); attention by {how}; gradients "
+             "reduce over dp x cp (FSDP shards over dp_shard x cp)")

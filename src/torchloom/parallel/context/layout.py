@@ -17,15 +17,27 @@ class SequenceLayout:
     so every rank does the same causal attention work. ``False``: rank ``r`` holds the ``r``-th of ``cp``
     contiguous chunks (Ulysses: after its all-to-all the chunks concatenate in sequence order).
 
+    ``ulysses > 1`` (the ring x Ulysses hybrid, Fang & Zhao 2024 "USP"): the cp ranks form ``cp / ulysses`` ring
+    ranks of ``ulysses`` adjacent ranks each; the sequence is split over the ring ranks as above, and each ring
+    rank's tokens are cut into ``ulysses`` contiguous parts, one per member (Ulysses' all-to-all concatenates
+    them back into the ring rank's tokens).
+
     Attributes:
         cp: ranks the sequence is split over (the ``cp`` mesh degree).
         rank: this rank's index in the cp group, ``0 <= rank < cp``.
         load_balance: zigzag chunks (True) or contiguous (False).
+        ulysses: Ulysses degree inside the cp group (1: ring only; ``cp``: Ulysses only).
     """
 
     cp: int
     rank: int
     load_balance: bool = True
+    ulysses: int = 1
+
+    @property
+    def ring(self) -> "SequenceLayout":
+        """The split over the ring ranks (this rank's ring rank; every member of a Ulysses group shares it)."""
+        return SequenceLayout(self.cp // self.ulysses, self.rank // self.ulysses, self.load_balance)
 
     @property
     def chunks(self) -> int:
@@ -45,6 +57,10 @@ class SequenceLayout:
         """Global token indices (int64 ``[seq_len / cp]``, increasing) that ``rank`` (default: this one) holds."""
         self.check(seq_len)
         r = self.rank if rank is None else rank
+        if self.ulysses > 1:
+            ring = self.ring.indices(seq_len, r // self.ulysses, device=device)
+            part = seq_len // self.cp
+            return ring[(r % self.ulysses) * part:(r % self.ulysses + 1) * part]
         c = seq_len // self.chunks
         if not self.load_balance:
             return torch.arange(r * c, (r + 1) * c, device=device)

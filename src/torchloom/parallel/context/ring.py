@@ -106,7 +106,7 @@ class RingAttention(torch.autograd.Function):
                 f"sequence split: the attention call has {q.shape[0]} samples but the split micro-batch has "
                 f"{info.batch}; per-sample masks (padding, packed documents) cannot follow a further split of the "
                 "micro-batch (pipeline micro-batches).")
-        ring = _Ring(info.group)
+        ring = _Ring(info.ring_group if info.ring_group is not None else info.group)
         cp, r = ring.size, ring.rank
         groups = q.shape[1] // k.shape[1]
         parts: dict[int, tuple] = {}
@@ -135,7 +135,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         info, causal, scale, groups = ctx.info, ctx.causal, ctx.scale, ctx.groups
-        ring = _Ring(info.group)
+        ring = _Ring(info.ring_group if info.ring_group is not None else info.group)
         cp, r = ring.size, ring.rank
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         cur = torch.stack([k, v])

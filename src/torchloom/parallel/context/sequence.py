@@ -26,8 +26,11 @@ class SequenceInfo:
         batch: ``B``, samples in the micro-batch.
         document: int64 ``[B, S]`` document id per token (packed sequences), or None (one document per sample).
         valid: bool ``[B, S]`` (False: padding, never attended to), or None (no padding).
-        kind: ``"ring"`` (context parallel) or ``"ulysses"``.
-        group: the cp process group.
+        kind: ``"ring"`` (context parallel, with ``layout.ulysses > 1`` the ring x Ulysses hybrid) or
+            ``"ulysses"``.
+        group: the cp process group (the loss's sums are reduced over it).
+        ring_group: the ranks the ring passes keys/values around (the cp group without Ulysses).
+        ulysses_group: the ranks of this rank's Ulysses all-to-all (None without Ulysses).
         causal: the default for attention calls that pass a mask instead of ``is_causal`` (the model built a
             rank-local mask; it is replaced by the global one: causal when True).
         shifted_labels: the rank's labels, already shifted left globally (``labels[t + 1]``), or None.
@@ -43,6 +46,8 @@ class SequenceInfo:
     valid: torch.Tensor | None = None
     kind: str = "ring"
     group: Any = None
+    ring_group: Any = None
+    ulysses_group: Any = None
     causal: bool = True
     shifted_labels: torch.Tensor | None = None
     window: int | None = None

@@ -98,9 +98,11 @@ class SequenceSplitter:
       the :class:`SequenceInfo` (a model would build its mask from its local tokens only).
 
     Args:
-        group: the cp process group.
-        kind: ``"ring"`` or ``"ulysses"``.
-        load_balance: zigzag chunks (ring's causal load balancing); Ulysses needs contiguous ones.
+        group: the cp process group (reductions of the loss's sums).
+        kind: ``"ring"`` or ``"ulysses"`` (Ulysses over all cp ranks: contiguous parts).
+        load_balance: zigzag chunks (ring's causal load balancing).
+        ulysses: with ``kind="ring"``, the Ulysses degree inside cp (the ring x Ulysses hybrid); 1: ring only.
+        ring_group / ulysses_group: the process groups of the ring and of the all-to-all (default: ``group``).
         causal: the mask for attention calls that pass one (see :class:`SequenceInfo`).
         model: its ``forward`` signature decides which of ``position_ids``, ``shift_labels`` and
             ``num_items_in_batch`` are passed.
@@ -118,10 +120,14 @@ class SequenceSplitter:
     """
 
     def __init__(self, *, group, cp: int, rank: int, kind: str = "ring", load_balance: bool = True,
+                 ulysses: int = 1, ring_group=None, ulysses_group=None,
                  causal: bool = True, model: torch.nn.Module | None = None, window: int | None | str = "model",
                  window_every_layer: bool = True, pipelined: bool = False):
-        self.layout = SequenceLayout(cp, rank, load_balance)
+        if kind == "ulysses":
+            ulysses, load_balance = cp, False  # Ulysses alone: contiguous parts, all ranks in the all-to-all
+        self.layout = SequenceLayout(cp, rank, load_balance, ulysses)
         self.group, self.kind, self.causal = group, kind, causal
+        self.ring_group, self.ulysses_group = ring_group, ulysses_group
         if window == "model":
             window, window_every_layer = attention_window(model)
         self.window, self.window_every_layer = window, window_every_layer
@@ -204,6 +210,7 @@ class SequenceSplitter:
                 out["num_items_in_batch"] = count.clamp(min=1).float() / lay.cp
         sb = SequenceBatch(out)
         sb.sequence = SequenceInfo(lay, s, b, document=document, valid=valid, kind=self.kind, group=self.group,
+                                   ring_group=self.ring_group, ulysses_group=self.ulysses_group,
                                    causal=self.causal, shifted_labels=shifted,
                                    window=self.window if self.window_every_layer else None,
                                    kv_groups=self.kv_groups)

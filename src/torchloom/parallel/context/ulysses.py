@@ -7,11 +7,13 @@ first (verl and DeepSpeed do the same).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .ring import expand_heads
+from .ring import expand_heads, ring_attention
 from .sequence import SequenceInfo
 
 
@@ -68,11 +70,14 @@ def masked_attention(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: SequenceInfo, *, causal: bool,
                       scale: float | None = None, sdpa=F.scaled_dot_product_attention) -> torch.Tensor:
     """Exact attention of sequence-sharded ``q`` ``[B, H, S/cp, D]`` and ``k``, ``v`` ``[B, H_kv, S/cp, D]``
-    (``cp`` divides ``H`` and ``H_kv``; checked by the method). Returns ``[B, H, S/cp, D]``.
+    (the Ulysses degree divides ``H``; checked by the method). Returns ``[B, H, S/cp, D]``. In the ring x
+    Ulysses hybrid (``info.layout.ulysses < cp``) the all-to-all gathers the ring rank's tokens and
+    :func:`~.ring.ring_attention` runs over the ring ranks with ``H / ulysses`` heads.
 
     Causal attention without per-sample masks runs the original SDPA (``sdpa``: a flash kernel on GPUs);
     padding and documents run :func:`masked_attention`."""
-    cp, group = info.layout.cp, info.group
+    cp = info.layout.ulysses if info.layout.ulysses > 1 else info.layout.cp
+    group = info.ulysses_group if info.ulysses_group is not None else info.group
     if q.shape[1] % cp:
         raise ValueError(f"ulysses: cp={cp} must divide the {q.shape[1]} query heads of this rank's attention; choose "
                          "a cp that divides them, or use context_parallel.")
@@ -86,7 +91,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: S
     qh, kh, vh = (_SeqToHeads.apply(t, group, cp) for t in (q, k, v))
     groups = qh.shape[1] // kh.shape[1]
     kh, vh = expand_heads(kh, groups), expand_heads(vh, groups)
-    if info.document is None and info.valid is None and (info.window is None or info.window >= info.seq_len):
+    if cp < info.layout.cp:  # the hybrid: the ring ranks' tokens, H/ulysses heads, around the ring
+        ring = dataclasses.replace(info, layout=info.layout.ring, _pos={})
+        oh = ring_attention(qh, kh, vh, ring, causal=causal, scale=scale)
+    elif info.document is None and info.valid is None and (info.window is None or info.window >= info.seq_len):
         oh = sdpa(qh, kh, vh, is_causal=causal, scale=scale)
     else:
         idx = torch.arange(info.seq_len, device=q.device)
