@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import torchloom
-from tests.cases._workers import full_grads, record_grads
+from tests.cases._workers import record_grads
 from tests.models import tiny_llama, token_batches
 from torchloom.parallel.context import SequenceSplitter, sequence_attention
 

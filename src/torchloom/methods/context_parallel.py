@@ -55,7 +55,9 @@ class ContextParallel(Method):
         Ring traffic per attention layer and micro-batch: forward ``cp - 1`` sends of the rank's key/value
         chunk (``2 x tokens/cp x kv_heads/tp x head_dim`` in the compute dtype), backward twice that (keys
         and values again, and their gradients travelling with them), each overlapping the attention of the
-        chunk at hand except the first."""
+        chunk at hand except the first. The ring x Ulysses hybrid (``ulysses = u``): the ring has ``cp / u``
+        ranks (the same bytes per send: ``u`` times the tokens of ``1/u`` of the heads), plus Ulysses'
+        four all-to-alls per layer and pass over ``u`` ranks (:meth:`~torchloom.methods.ulysses.Ulysses.estimate`)."""
         cp = dims.cp
         if cp <= 1:
             return None
@@ -67,15 +69,26 @@ class ContextParallel(Method):
         e = Effects(self.name, matmul_scale=scale, other_scale=scale,
                     memory_scale={"activations": scale, "temporary": scale})
         layers = blocks_per_rank(info, dims)
+        u = max(self.config.ulysses, 1)
+        ring = cp // u
         if kv and hd and layers:
             tokens = step.micro_batch * step.seq_len / cp
             chunk = 2.0 * tokens * kv / max(dims.tp, 1) * hd * dtype_bytes(step.compute_dtype)
             m = step.grad_accum
-            e.collectives += [
-                Collective("send_recv", chunk, "cp", calls=m * layers * (cp - 1), overlap="forward",
-                           exposed_calls=m * layers, label="cp.ring_kv", recomputed=True),
-                Collective("send_recv", chunk, "cp", calls=2 * m * layers * (cp - 1), overlap="backward",
-                           exposed_calls=m * layers, label="cp.ring_kv_bwd")]
+            if ring > 1:
+                e.collectives += [
+                    Collective("send_recv", chunk, "cp", calls=m * layers * (ring - 1), overlap="forward",
+                               exposed_calls=m * layers, label="cp.ring_kv", recomputed=True),
+                    Collective("send_recv", chunk, "cp", calls=2 * m * layers * (ring - 1), overlap="backward",
+                               exposed_calls=m * layers, label="cp.ring_kv_bwd")]
+            if u > 1:
+                h = d.get("num_heads") or kv
+                kv_sent = kv if (kv // max(dims.tp, 1)) % u == 0 else h
+                nbytes = tokens * (2 * h + 2 * kv_sent) / max(dims.tp, 1) * hd * dtype_bytes(step.compute_dtype)
+                e.collectives += [Collective("all_to_all", nbytes, "cp", calls=m * layers, label="cp.ulysses_a2a",
+                                             recomputed=True),
+                                  Collective("all_to_all", nbytes, "cp", calls=m * layers,
+                                             label="cp.ulysses_a2a_bwd")]
         else:
             e.notes.append("no head sizes known: ring traffic not priced")
         if not self.config.load_balance:
