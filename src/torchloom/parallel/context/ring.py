@@ -16,11 +16,18 @@ kernels are :mod:`.blocks` (PyTorch's fused flash kernel on CPU, fp32 math elsew
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
 from .blocks import block_backward, block_forward, merge
 from .sequence import SequenceInfo
+
+
+#: seconds this process spent waiting for ring transfers (the exposed part of the exchange: a transfer that
+#: finished during the block's attention costs nothing here); benchmarks/long_context.py reports its share
+RING_WAIT = {"seconds": 0.0}
 
 
 class _Ring:
@@ -42,8 +49,10 @@ class _Ring:
     @staticmethod
     def finish(pending) -> torch.Tensor:
         reqs, buf = pending
+        t0 = time.perf_counter()
         for r in reqs:
             r.wait()
+        RING_WAIT["seconds"] += time.perf_counter() - t0
         return buf
 
 

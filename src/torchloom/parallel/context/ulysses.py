@@ -33,26 +33,19 @@ def _heads_to_seq(y: torch.Tensor, group, cp: int) -> torch.Tensor:
     return recv.permute(1, 0, 2, 3, 4).reshape(b, cp * hc, s // cp, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """``to_heads``: sequence shards -> head shards (``_seq_to_heads``), else the reverse; the backward of one
+    direction is the other."""
+
     @staticmethod
-    def forward(ctx, x, group, cp):
-        ctx.group, ctx.cp = group, cp
-        return _seq_to_heads(x, group, cp)
+    def forward(ctx, x, group, cp, to_heads: bool):
+        ctx.group, ctx.cp, ctx.to_heads = group, cp, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group, cp)
 
     @staticmethod
     def backward(ctx, g):
-        return _heads_to_seq(g.contiguous(), ctx.group, ctx.cp), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group, cp):
-        ctx.group, ctx.cp = group, cp
-        return _heads_to_seq(y, group, cp)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g.contiguous(), ctx.group, ctx.cp), None, None
+        back = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return back(g.contiguous(), ctx.group, ctx.cp), None, None, None
 
 
 def masked_attention(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -88,7 +81,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: S
         k, v = expand_heads(k, q.shape[1] // k.shape[1]), expand_heads(v, q.shape[1] // k.shape[1])
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    qh, kh, vh = (_SeqToHeads.apply(t, group, cp) for t in (q, k, v))
+    qh, kh, vh = (_AllToAll.apply(t, group, cp, True) for t in (q, k, v))
     groups = qh.shape[1] // kh.shape[1]
     kh, vh = expand_heads(kh, groups), expand_heads(vh, groups)
     if cp < info.layout.cp:  # the hybrid: the ring ranks' tokens, H/ulysses heads, around the ring
@@ -99,4 +92,4 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: S
     else:
         idx = torch.arange(info.seq_len, device=q.device)
         oh = masked_attention(qh, kh, vh, info.mask(idx, idx, causal, q.shape[0]), scale)
-    return _HeadsToSeq.apply(oh.contiguous(), group, cp)
+    return _AllToAll.apply(oh.contiguous(), group, cp, False)
