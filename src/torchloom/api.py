@@ -13,7 +13,6 @@ from torch import nn
 from .context import AccelContext
 from .data import build_dataloader, plan_batches
 from .errors import StrategyError
-from .parallel.consistency import ReplicaMonitor
 from .parallel.distributed import init_distributed
 from .parallel.materialize import materialize_meta_model
 from .parallel.mesh import ParallelDims, ParallelMesh, set_current_mesh
@@ -347,6 +346,8 @@ def auto_accelerate(
         fn(ctx)
     monitor = None
     if check_replicas_every is not None:
+        from .parallel.consistency import ReplicaMonitor  # DTensor's import (~0.7 s): not on loom plan's path
+
         monitor = ReplicaMonitor(ctx.model_parts, ctx.mesh, device, check_replicas_every).attach(ctx.optimizer)
         ctx.note(f"replica check: parameters compared across data-parallel replicas after step 1 and every "
                  f"{check_replicas_every} steps")

@@ -4,8 +4,6 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from torch.distributed.optim import ZeroRedundancyOptimizer
-
 from ..cost.effects import Collective, Effects, dtype_bytes, rank_params
 from ..errors import StrategyError
 from ..strategy.registry import Method, Stage, register_method
@@ -91,6 +89,10 @@ class Zero1(Method):
         accepted = inspect.signature(opt_cls.__init__).parameters
         group = {**opt.defaults, **{k: v for k, v in opt.param_groups[0].items() if k != "params"}}
         defaults = {k: v for k, v in group.items() if k in accepted}
+        # imported here: torch.distributed.optim scripts its functional optimizers on import (~0.3 s), which
+        # `loom plan` and every method lookup would otherwise pay
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         zero = ZeroRedundancyOptimizer(
             params, optimizer_class=opt_cls, process_group=ctx.mesh.group(ctx.mesh.grad_view), **defaults
         )

@@ -216,6 +216,9 @@ def _predict_base(base, levels, info, check_info, hw, predict, usable, result, p
     if first.fits:
         rank(first)
         return None
+    if prune is not None and prune.skip_checkpointed(base, first):
+        # checkpointing only adds time: no level can reach the best ``keep`` when none-at-all does not
+        return None
     last = probe(len(levels) - 1) if len(levels) > 1 else first
     if last is None or not last.fits:
         return "hopeless"
@@ -227,6 +230,10 @@ def _predict_base(base, levels, info, check_info, hw, predict, usable, result, p
             hi = mid
         else:
             lo = mid
+    if prune is not None:
+        for i, ev in probed.items():
+            if i and ev is not None:
+                prune.observe_checkpointed(first, ev)
     rank(probed[hi])  # type: ignore[arg-type]
     return None
 
@@ -282,6 +289,30 @@ class _Pruner:
             heapq.heappush(self.best, tps)
         elif tps > self.best[0]:
             heapq.heapreplace(self.best, tps)
+
+    def skip_checkpointed(self, base: Candidate, first: Evaluated) -> bool:
+        """Skip the checkpointing levels of ``base`` when its level-0 prediction ``first`` (which did not fit) is
+        already below the ``keep`` best: the cost model's step time does not fall as checkpointing grows (it
+        adds recomputation ``R``; the larger backward window hides at most ``R`` more communication), so
+        ``first``'s throughput bounds every level's. Checked on every bisection priced
+        (:meth:`observe_checkpointed`)."""
+        if not self.on or len(self.best) < self.keep:
+            return False
+        t = self.best[0]
+        if first.prediction.tokens_per_s < t:
+            self.skipped.append(base)
+            self.skipped_count += 1
+            self.used = max(self.used, t)
+            return True
+        return False
+
+    def observe_checkpointed(self, first: Evaluated, ev: Evaluated) -> None:
+        """The guard of :meth:`skip_checkpointed`: a checkpointed level predicted faster than level 0 turns
+        skipping off (what was skipped is priced after all)."""
+        if self.on and ev.prediction.step_time_s < first.prediction.step_time_s * (1 - 1e-9):
+            log.warning("search: %s predicted faster (%.6g s) than without checkpointing (%.6g s); pricing every "
+                        "candidate", ev.candidate.label(), ev.prediction.step_time_s, first.prediction.step_time_s)
+            self.on = False
 
     def observe(self, ev: Evaluated) -> None:
         if self.on and not self.bound.holds(ev.candidate, ev.prediction.step_time_s):

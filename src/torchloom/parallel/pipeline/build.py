@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -98,9 +99,7 @@ def plan_stages(root: nn.Module, c, pp: int, *, profile: bool = True) -> tuple[F
     Raises:
         StrategyError: an unsupported model, bad split points, or more stages than units.
     """
-    family = detect_family(root)
-    units = family.units(root)
-    _check_coverage(root, family, units)
+    family, units, param_costs = _units(root) if not profile else _units_uncached(root)
     num_stages = pp * c.virtual
     if num_stages > len(units):
         raise StrategyError(
@@ -111,9 +110,29 @@ def plan_stages(root: nn.Module, c, pp: int, *, profile: bool = True) -> tuple[F
         runs, how = split_by_points(units, list(c.split_points), num_stages), "split_points"
     else:
         costs = _profile_costs(root, family, units, c.profile_seq_len) if c.balance == "profile" and profile \
-            else [float(_unit_params(root, u)) for u in units]
+            else list(param_costs)
         runs, how = split_by_cost(units, costs, num_stages), f"balance={c.balance}"
     return family, [StageSpec(i, num_stages, tuple(r)) for i, r in enumerate(runs)], how
+
+
+#: planning's memo of :func:`_units_uncached` per meta model (``profile=False``: a search plans the stages of one
+#: model for every pipeline degree and schedule; walking 80 blocks' parameters each time took ~35 ms)
+_PLANNED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _units(root: nn.Module) -> tuple[Family, list[Unit], tuple[float, ...]]:
+    got = _PLANNED.get(root)
+    if got is None:
+        got = _PLANNED[root] = _units_uncached(root)
+    return got
+
+
+def _units_uncached(root: nn.Module) -> tuple[Family, list[Unit], tuple[float, ...]]:
+    """The model's pipeline family, its units (coverage checked) and each unit's parameter count."""
+    family = detect_family(root)
+    units = family.units(root)
+    _check_coverage(root, family, units)
+    return family, units, tuple(float(_unit_params(root, u)) for u in units)
 
 
 def _check_coverage(root: nn.Module, family: Family, units: list[Unit]) -> None:

@@ -6,6 +6,7 @@ norm, the head); the model family lists them in execution order (``families.py``
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from ...errors import StrategyError
@@ -92,10 +93,17 @@ def balance_by_cost(costs: list[float], num_stages: int) -> list[int]:
     (the pipeline's slowest stage sets its pace). Returns the start index of every stage after the first.
 
     Exact dynamic programme, O(n^2 k); ties are broken towards earlier cuts, so the result is deterministic.
+    Memoised on its arguments (a search asks for the same split for every candidate of a pipeline degree).
 
     Raises:
         StrategyError: fewer units than stages.
     """
+    return list(_balance_by_cost(tuple(float(c) for c in costs), num_stages))
+
+
+@functools.lru_cache(maxsize=256)
+def _balance_by_cost(costs: tuple[float, ...], num_stages: int) -> tuple[int, ...]:
+    """The uncached :func:`balance_by_cost`."""
     n = len(costs)
     if num_stages > n:
         raise StrategyError(
@@ -120,7 +128,7 @@ def balance_by_cost(costs: list[float], num_stages: int) -> list[int]:
     for k in range(num_stages, 0, -1):
         i = cut[k][i]
         starts.append(i)
-    return sorted(starts)[1:]
+    return tuple(sorted(starts)[1:])
 
 
 def split_by_cost(units: list[Unit], costs: list[float], num_stages: int) -> list[list[Unit]]:
