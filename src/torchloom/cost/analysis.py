@@ -271,7 +271,7 @@ class _Analysis:
             n_params=n_params, n_trainable=sum(p.numel() for p in uniq if p.requires_grad),
             param_dtype=dtypes.most_common(1)[0][0] if dtypes else "float32",
             tied=_tied_names(model), dims=dims, family=model_family(model, cfg), module=model,
-            notes=self.notes, experts=experts,
+            notes=self.notes, experts=experts, eager_code=eager_code_style(model),
         )
 
     def _groups(self, blocks: list[tuple[str, nn.Module]]) -> list[_Group]:
@@ -528,6 +528,7 @@ class _Analysis:
             act_bytes={k: float(v["act"]) for k, v in res.items()}, input_bytes=fp["input"],
             peak_extra_bytes=fp["peak"], autocast_weight_bytes=float(res["bfloat16"]["weights"]),
             act_bytes_fused={k: float(v["act_fused"]) for k, v in res.items()},
+            tensors=sum(1 for p in params if p.requires_grad),
         )
 
     def _trace_rest(self, groups: list[_Group], rest_params: list[nn.Parameter]) -> PartInfo:
@@ -563,6 +564,7 @@ class _Analysis:
             fwd=rec.cost("fwd"), bwd=rec.cost("bwd"),
             act_bytes={k: float(v["act"]) for k, v in res.items()}, input_bytes=tokens_in,
             peak_extra_bytes=res["float32"]["peak"], autocast_weight_bytes=float(res["bfloat16"]["weights"]),
+            tensors=sum(1 for p in rest_params if p.requires_grad),
         )
 
     def _input_bytes(self) -> float:
@@ -629,6 +631,13 @@ def _clear_grads(tensors) -> None:
 
 def _autocast(precision: str):
     return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bfloat16" else nullcontext()
+
+
+def eager_code_style(model: nn.Module) -> str:
+    """``"transformers"`` for a Hugging Face model (a class from the ``transformers`` package in its MRO), else
+    ``"modules"``: which host cost per op of eager code applies (:mod:`torchloom.cost.eager_overhead`)."""
+    return "transformers" if any(c.__module__.startswith("transformers.") for c in type(model).__mro__) \
+        else "modules"
 
 
 def _copy_info(info: ModelInfo) -> ModelInfo:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ..elastic.launcher import usable_cores
 from ..errors import HardwareError
+from . import eager_overhead
 from . import load as machine_load
 from . import microbench as mb
 from .hardware import COLLECTIVES, CollectiveFit, Hardware
@@ -94,8 +95,9 @@ def fingerprint(backend: str | None = None) -> dict[str, Any]:
 
 
 #: what the calibration measures, in the cache file's name: a calibration measured another way is not reused
-#: (2: GEMMs timed as ``x @ W^T``, nn.Linear's layout)
-CALIBRATION_METHOD = {"calibration_method": 2}
+#: (2: GEMMs timed as ``x @ W^T``, nn.Linear's layout; 3: host cost per op of eager model code,
+#: ``eager_op_overhead_s``, and per parameter tensor of the optimizer step, ``optimizer_tensor_s``)
+CALIBRATION_METHOD = {"calibration_method": 3}
 
 
 def fingerprint_hash(fp: dict[str, Any]) -> str:
@@ -193,6 +195,8 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
     matmul = {str(dt).removeprefix("torch."): mb.matmul_rates(timer, dt, msizes, t_compute) for dt in dtypes}
     mem_bw = mb.memory_bandwidth(timer, mb.STREAM_BYTES[device.type], t_compute)
     overhead = mb.op_overhead(timer, t_compute)
+    eager = eager_overhead.measure(timer, t_compute)
+    per_tensor = eager_overhead.optimizer_tensor_seconds(timer, t_compute)
 
     intra: dict[str, dict[int, CollectiveFit]] = {k: {} for k in COLLECTIVES}
     for g in gsizes:
@@ -220,7 +224,8 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
                            else _ram_bytes() / local),
         ranks_per_node=local, num_nodes=nodes,
         matmul_flops=matmul, peak_flops=peaks,
-        mem_bw=mem_bw, op_overhead_s=overhead, intra={k: v for k, v in intra.items() if v},
+        mem_bw=mem_bw, op_overhead_s=overhead, eager_op_overhead_s=eager, optimizer_tensor_s=per_tensor,
+        intra={k: v for k, v in intra.items() if v},
         inter_bw=inter_bw, inter_latency_s=inter_lat,
         fingerprint=fingerprint(backend), threads_per_rank=torch.get_num_threads(),
         load=load, provisional=bool(load["under_load"]),
@@ -230,6 +235,9 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     how = f"measured {stamp} on {world} {backend} ranks ({local} per node, {hw.threads_per_rank} threads each)"
     hw.sources = {"matmul_flops": how, "mem_bw": how, "op_overhead_s": how, "intra": how,
+                  "eager_op_overhead_s": how + " (tiny reference decoders forward + backward, ops counted by the "
+                                               "analysis: torchloom.cost.eager_overhead)",
+                  "optimizer_tensor_s": how + " (clip_grad_norm_ + AdamW step over 64 16-element tensors)",
                   "peak_flops": peak_source or how + " (maximum measured rate per dtype)",
                   "memory_bytes": "torch.cuda device memory" if device.type == "cuda" else "MemTotal / ranks per node",
                   "calibration_wall_s": f"{wall:.1f}", "load": machine_load.describe(load)}

@@ -39,6 +39,11 @@ def format_table(hw: Hardware) -> str:
         lines.append(f"    {dt:<9} {row}")
     lines.append(f"  memory bandwidth per rank: {hw.mem_bw / 1e9:.2f} GB/s; per-op overhead: "
                  f"{hw.op_overhead_s * 1e6:.2f} us; memory per rank: {hw.memory_bytes / 2 ** 30:.1f} GiB")
+    if hw.eager_op_overhead_s:
+        lines.append("  host time per op in eager model code: " + ", ".join(
+            f"{k} {v * 1e6:.2f} us" for k, v in hw.eager_op_overhead_s.items()))
+    if hw.optimizer_tensor_s:
+        lines.append(f"  optimizer step (AdamW) per parameter tensor: {hw.optimizer_tensor_s * 1e6:.2f} us")
     if hw.intra:
         sizes = sorted({b for fits in hw.intra.values() for f in fits.values() for b, _ in f.points})
         head = "".join(f"{_size(s):>10}" for s in sizes)

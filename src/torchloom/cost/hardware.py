@@ -57,7 +57,15 @@ class Hardware:
             ``ranks_per_node`` ranks computing at once** (co-located ranks share cores).
         peak_flops: datasheet (or measured-maximum on CPU) dense FLOP/s per rank by dtype (what MFU divides by).
         mem_bw: achieved memory bandwidth per rank in bytes/s (all ranks streaming at once).
-        op_overhead_s: fixed cost per dispatched op (eager-mode launch/dispatch), seconds.
+        op_overhead_s: fixed cost per dispatched op (eager-mode launch/dispatch), seconds: a bare loop of tiny
+            ops (what compiled code and library kernels pay per launch).
+        eager_op_overhead_s: host seconds per counted op inside eager model code, by code style
+            (``{"modules": ..., "transformers": ...}``: module calls, autograd recording and its backward
+            node, the model's Python between ops; :mod:`torchloom.cost.eager_overhead`); empty: unknown, the
+            cost model uses ``op_overhead_s``.
+        optimizer_tensor_s: host seconds per parameter tensor of gradient clipping + an AdamW step (the device's
+            default implementation: a per-tensor loop on CPU, multi-tensor kernels on CUDA); 0: unknown (not
+            priced).
         intra: collective fits inside a node, ``{kind: {group_size: CollectiveFit}}``.
         inter_bw / inter_latency_s: per-rank bandwidth (bytes/s) and latency across nodes (ring model).
         fingerprint: what identifies the machine (CPU/GPU model, cores, torch version, backend): plans and
@@ -85,6 +93,8 @@ class Hardware:
     peak_flops: dict[str, float] = field(default_factory=dict)
     mem_bw: float = 0.0
     op_overhead_s: float = 0.0
+    eager_op_overhead_s: dict[str, float] = field(default_factory=dict)
+    optimizer_tensor_s: float = 0.0
     intra: dict[str, dict[int, CollectiveFit]] = field(default_factory=dict)
     inter_bw: float = 0.0
     inter_latency_s: float = 0.0
@@ -121,6 +131,15 @@ class Hardware:
         priced as GEMMs (no entry)."""
         r = self.attention_flops.get(dtype)
         return r[1 if backward else 0] if r else None
+
+    def host_op_seconds(self, eager_code: str | None) -> float:
+        """Host seconds per counted op of an eager pass of ``eager_code`` style (``ModelInfo.eager_code``), else
+        (None: a compiled pass; no measurement for the style) the bare dispatch cost ``op_overhead_s``."""
+        if eager_code is not None:
+            v = self.eager_op_overhead_s.get(eager_code)
+            if v:
+                return v
+        return self.op_overhead_s
 
     @property
     def async_launch(self) -> bool:

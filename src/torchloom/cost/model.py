@@ -90,10 +90,11 @@ def predict(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence[
         extra = 0.0 if is_rest else ops_add
         fused = c.fused and not is_rest  # compile fuses the blocks; the rest runs eager
         gemm = dtype if is_rest else step.block_gemm_dtype  # float8 converts the blocks' Linears only
+        op_s = hw.host_op_seconds(None if fused else info.eager_code)
         f, f_mm = _pass_time(cache, (i, "f"), part.fwd, mb, dtype, hw, mm, other, ops_scale, extra, fused, False,
-                             gemm)
+                             gemm, op_s)
         b, _ = _pass_time(cache, (i, "b"), part.bwd, mb, dtype, hw, mm, other, ops_scale, 2 * extra, fused, True,
-                          gemm)
+                          gemm, op_s)
         parts.append((is_rest, part.count, f, b, 0.0 if is_rest else f - f_mm * (1.0 - c.recompute_matmul_share)))
     nb = max(info.num_blocks, 1)
     per_rank = []
@@ -145,7 +146,7 @@ def predict(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence[
             time[key] = time.get(key, 0.0) + r["exposed_s"]
 
     # -- optimizer step: memory-bound traffic over the rank's updated elements ----------------------------
-    time["optimizer"] = _optimizer_time(mem, step, hw)
+    time["optimizer"] = _optimizer_time(mem, step, hw, _rank_tensors(info, loads))
     time.update(time_add)
 
     # -- memory peak -------------------------------------------------------------------------------
@@ -366,16 +367,18 @@ def _pass_cache(info: ModelInfo, hw: Hardware) -> dict:
 
 def _pass_time(cache: dict, key, pc: PassCost, mb: float, dtype: str, hw: Hardware, mm: float, other: float,
                ops_scale: float, ops_add: float, fused: bool = False, backward: bool = False,
-               gemm_dtype: str | None = None) -> tuple[float, float]:
+               gemm_dtype: str | None = None, op_s: float | None = None) -> tuple[float, float]:
     """Seconds of one pass of one part instance at micro-batch ``mb`` (per rank): ``(total, matmul part)``.
 
     GEMMs at the achieved rate of their size; attention products at the hardware's attention-kernel rate
     where it has one (else as GEMMs); the memory-bound bytes (eager per op, or the fused chains' when
     ``fused``) at the activation bandwidth; per-op dispatch. Where kernels launch asynchronously (CUDA) the
     host's dispatch overlaps the device's work: the pass costs the longer of the two. ``gemm_dtype``: the
-    weight GEMMs' dtype when it differs from ``dtype`` (float8's)."""
+    weight GEMMs' dtype when it differs from ``dtype`` (float8's). ``op_s``: host seconds per op (default
+    ``hw.op_overhead_s``; :meth:`Hardware.host_op_seconds` gives the eager code's)."""
     gemm_dtype = gemm_dtype or dtype
-    k = (key, mb, dtype, mm, other, ops_scale, ops_add, fused, gemm_dtype)
+    op_s = hw.op_overhead_s if op_s is None else op_s
+    k = (key, mb, dtype, mm, other, ops_scale, ops_add, fused, gemm_dtype, op_s)
     t = cache.get(k)
     if t is not None:
         return t
@@ -397,18 +400,30 @@ def _pass_time(cache: dict, key, pc: PassCost, mb: float, dtype: str, hw: Hardwa
     if hw.mem_bw > 0:
         t += (pc.fused_bytes if fused else pc.other_bytes) * mb * other / activation_bandwidth(hw)
     ops = pc.fused_kernels if fused else pc.ops
-    host = (ops * ops_scale + ops_add) * hw.op_overhead_s * colocated_share(hw)
+    # the methods' extra ops (DTensor dispatch, FSDP hooks, autocast casts) are counted in bare dispatches
+    host = (ops * ops_scale * op_s + ops_add * hw.op_overhead_s) * colocated_share(hw)
     t = max(t, host) if hw.async_launch else t + host
     cache[k] = (t, t_mm)
     return t, t_mm
 
 
-def _optimizer_time(mem: dict[str, float], step: StepShape, hw: Hardware) -> float:
-    """Adam over the rank's updated elements (optimizer bytes / two states), memory-bound."""
+def _optimizer_time(mem: dict[str, float], step: StepShape, hw: Hardware, tensors: float = 0.0) -> float:
+    """Adam over the rank's updated elements (optimizer bytes / two states), memory-bound, plus its host work
+    per parameter tensor (``hw.optimizer_tensor_s`` x ``tensors``: dominant for small models on CPU, where
+    PyTorch's AdamW loops over the tensors in Python)."""
     sb = DTYPE_BYTES.get(step.param_dtype, 4)
     elems = mem["optimizer"] / (2 * sb)
     traffic = elems * (_ADAM_PARAM_RW * sb + _ADAM_GRAD_R * sb + _ADAM_STATE_RW * sb)
-    return traffic * colocated_share(hw) / hw.mem_bw if hw.mem_bw > 0 else 0.0
+    t = traffic / hw.mem_bw if hw.mem_bw > 0 else 0.0
+    return (t + tensors * hw.optimizer_tensor_s) * colocated_share(hw)
+
+
+def _rank_tensors(info: ModelInfo, loads) -> float:
+    """Trainable parameter tensors the most loaded rank's optimizer steps: every part's (FSDP and TP shard each
+    tensor, keeping the count), the blocks in the pipeline stage's share."""
+    nb = max(info.num_blocks, 1)
+    most = max((ld.blocks for ld in loads), default=nb)
+    return sum(p.tensors * (1 if p.name == "rest" else p.count * most / nb) for p in info.parts)
 
 
 # -- communication -----------------------------------------------------------------------------------

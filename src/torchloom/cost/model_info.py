@@ -100,6 +100,8 @@ class PartInfo:
             without the intermediates made and used inside one chain, which a fusing compiler recomputes in
             backward instead of saving (:meth:`~torchloom.cost.op_trace.OpRecorder.chain_internal_saved_bytes`);
             empty when unknown (then ``act_bytes``).
+        tensors: trainable parameter tensors per instance (the optimizer step's per-tensor host work); 0 when
+            unknown.
     """
 
     name: str
@@ -114,6 +116,7 @@ class PartInfo:
     peak_extra_bytes: float = 0.0
     autocast_weight_bytes: float = 0.0
     act_bytes_fused: dict[str, float] = field(default_factory=dict)
+    tensors: int = 0
 
 
 @dataclass
@@ -172,6 +175,8 @@ class ModelInfo:
         signature: a hash of parameter names, shapes and dtypes (plan cache key).
         notes: what the analysis assumed (e.g. a stand-in loss), for the planner's output.
         experts: the routed experts (:class:`ExpertsInfo`) of a Mixture-of-Experts model, None for a dense one.
+        eager_code: the style of the model's eager code (``"modules"``, ``"transformers"``): which measured host
+            cost per op prices its uncompiled passes (``Hardware.eager_op_overhead_s``).
         sequence: whether a sample is a sequence of ``seq_len`` tokens; False for an input without one (images,
             feature vectors: ``seq_len`` is then 1 and throughput is counted in samples;
             :func:`torchloom.cost.analysis.sample_seq_len`).
@@ -193,6 +198,7 @@ class ModelInfo:
     notes: list[str] = field(default_factory=list)
     experts: ExpertsInfo | None = None
     sequence: bool = True
+    eager_code: str = "modules"
 
     @property
     def blocks(self) -> list[PartInfo]:

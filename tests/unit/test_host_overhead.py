@@ -1,0 +1,159 @@
+"""Host time of eager code ([12] item 5, the online check on small models): the calibrated seconds per op of
+eager model code by code style, the optimizer's per-tensor host work, and how the cost model prices both.
+
+Hand-computed cases on the toy model of test_search_cost.py (no memory or GEMM cost besides what is named),
+plus the measuring functions run against a scripted timer (the real reference decoders, only the clock
+scripted) and the analysis's code-style and tensor counts on real models."""
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_search_cost import cand, toy_hw, toy_info  # noqa: E402
+
+from torchloom.cost import eager_overhead  # noqa: E402
+from torchloom.cost.analysis import analyze_model, eager_code_style  # noqa: E402
+from torchloom.search.pricing import predict  # noqa: E402
+
+
+def _info(ops_f=10, ops_b=20, tensors=(3, 2), code="modules"):
+    info = toy_info()
+    block, rest = info.parts
+    block.fwd = dataclasses.replace(block.fwd, ops=ops_f, fused_kernels=2)
+    block.bwd = dataclasses.replace(block.bwd, ops=ops_b, fused_kernels=4)
+    rest.fwd = dataclasses.replace(rest.fwd, ops=0, fused_kernels=0)
+    rest.bwd = dataclasses.replace(rest.bwd, ops=0, fused_kernels=0)
+    block.tensors, rest.tensors = tensors
+    info.eager_code = code
+    return info
+
+
+def _cpu_hw(**kw):
+    hw = toy_hw(ranks=1, device="cpu")
+    hw.fingerprint = {"cores": 8}  # no oversubscription: colocated share 1
+    for k, v in kw.items():
+        setattr(hw, k, v)
+    return hw
+
+
+def _host(pred):
+    return pred.time["forward"] + pred.time["backward"]
+
+
+def test_eager_passes_pay_the_measured_seconds_per_op_of_their_code_style():
+    """fwd 10 + bwd 20 ops per block, L blocks, micro-batch 2, accumulation 1: 30 L ops at the style's rate
+    (zero compute: the toy GEMM rate is set so large it does not count)."""
+    base = predict(cand([], mb=2), _info(), _cpu_hw(op_overhead_s=0.0)).step_time_s
+    hw = _cpu_hw(op_overhead_s=1e-6, eager_op_overhead_s={"modules": 5e-6, "transformers": 9e-6})
+    info = _info()
+    L = info.parts[0].count
+    for code, per_op in (("modules", 5e-6), ("transformers", 9e-6), ("unknown-style", 1e-6)):
+        p = predict(cand([], mb=2), _info(code=code), hw)
+        assert p.step_time_s - base == pytest.approx(30 * L * per_op, rel=1e-9), code
+
+
+def test_compiled_passes_pay_the_bare_dispatch_per_fused_kernel():
+    """compile fuses the blocks: their 2 + 4 kernels launch at ``op_overhead_s``, not the eager rate."""
+    hw = _cpu_hw(op_overhead_s=1e-6, eager_op_overhead_s={"modules": 5e-6})
+    info = _info()
+    L = info.parts[0].count
+    zero = predict(cand([("compile", {})], mb=2), _info(), _cpu_hw(op_overhead_s=0.0))
+    p = predict(cand([("compile", {})], mb=2), info, hw)
+    assert _host(p) - _host(zero) == pytest.approx(6 * L * 1e-6, rel=1e-9)
+
+
+def test_methods_extra_ops_are_bare_dispatches():
+    """A method's ``ops_add`` (here amp's casts: 2 per block GEMM per forward, twice in backward) is priced
+    at ``op_overhead_s`` even where the eager rate is higher."""
+    info = _info(ops_f=0, ops_b=0)
+    hw_eager = _cpu_hw(op_overhead_s=1e-6, eager_op_overhead_s={"modules": 50e-6})
+    hw_bare = _cpu_hw(op_overhead_s=1e-6)
+    a = predict(cand([("amp", {"dtype": "bfloat16"})], mb=2), info, hw_eager)
+    b = predict(cand([("amp", {"dtype": "bfloat16"})], mb=2), info, hw_bare)
+    assert _host(a) == pytest.approx(_host(b), rel=1e-12) and _host(b) > 0
+
+
+def test_optimizer_step_adds_host_time_per_parameter_tensor_on_the_rank():
+    """3 tensors per block x L + 2 in the rest, at 40 us each; under pp=2 the most loaded rank holds half
+    the blocks (and the rest: the embedding/head side is counted whole)."""
+    info = _info(ops_f=0, ops_b=0)
+    L = info.parts[0].count
+    hw = _cpu_hw(optimizer_tensor_s=40e-6)
+    off = predict(cand([], mb=2), info, _cpu_hw()).time["optimizer"]
+    on = predict(cand([], mb=2), info, hw).time["optimizer"]
+    assert on - off == pytest.approx((3 * L + 2) * 40e-6, rel=1e-9)
+    pp = cand([("pipeline_parallel", {"schedule": "gpipe"})], mb=1, accum=2, pp=2)
+    on_pp = predict(pp, info, hw).time["optimizer"] - predict(pp, info, _cpu_hw()).time["optimizer"]
+    assert on_pp == pytest.approx((3 * L / 2 + 2) * 40e-6, rel=1e-9)
+
+
+class _Clock:
+    """A Timer stand-in: ``per_call`` runs ``fn`` once (so the work is real) and answers ``seconds``."""
+
+    def __init__(self, seconds):
+        self.seconds, self.device, self.calls = seconds, torch.device("cpu"), 0
+
+    def per_call(self, fn, target_s):
+        fn()
+        self.calls += 1
+        return self.seconds
+
+
+def test_measure_divides_the_timed_step_by_the_ops_the_analysis_counts():
+    """Seconds per op = one forward + backward's time / the analysis's op count of the same model, for each
+    style present (``transformers`` only when installed)."""
+    ops = eager_overhead.counted_ops(eager_overhead.ReferenceDecoder(), lambda batch, out: out)
+    assert ops > 100  # 2 blocks of norm, rotary attention and SwiGLU, forward and backward
+    got = eager_overhead.measure(_Clock(0.01), 0.0)
+    assert got["modules"] == pytest.approx(0.01 / ops)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        assert set(got) == {"modules"}
+    else:
+        assert set(got) == {"modules", "transformers"} and got["transformers"] < got["modules"] * 10
+
+
+def test_optimizer_tensor_seconds_times_a_clipped_adamw_step_per_tensor():
+    clock = _Clock(0.0064)
+    assert eager_overhead.optimizer_tensor_seconds(clock, 0.0, tensors=64) == pytest.approx(1e-4)
+    assert clock.calls == 1
+
+
+def test_the_reference_decoder_trains():
+    torch.manual_seed(0)
+    m = eager_overhead.ReferenceDecoder()
+    ids = torch.randint(0, eager_overhead.VOCAB, (2, eager_overhead.TOKENS))
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    first = None
+    for _ in range(20):
+        loss = m(input_ids=ids, labels=ids)
+        first = float(loss) if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(loss) < first * 0.7
+
+
+def test_analysis_records_code_style_and_trainable_tensors():
+    m = eager_overhead.ReferenceDecoder()
+    for layer in m.layers:  # per instance, as ``trainable`` is: one instance stands for all of its class
+        layer.mlp.up.weight.requires_grad_(False)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    info = analyze_model(m, seq_len=8, sample_input={"input_ids": ids, "labels": ids}, input_format="unpack_dict",
+                         loss_func=lambda b, o: o)
+    assert info.eager_code == "modules"
+    # a block: 2 norms + q,k,v,o + gate,up,down = 9 tensors, one of them frozen
+    blocks = [p for p in info.parts if p.name != "rest"]
+    assert sum(p.tensors * p.count for p in blocks) == 2 * (9 - 1)
+    assert info.rest.tensors == 3  # embedding, final norm, head
+    assert eager_code_style(nn.Linear(2, 2)) == "modules"
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    assert eager_code_style(transformers.LlamaForCausalLM(cfg)) == "transformers"
