@@ -27,6 +27,12 @@ GiB = 2.0 ** 30
 
 #: frameworks whose runs use fused (Transformer Engine / Apex) kernels
 FUSED_FRAMEWORKS = ("megatron", "nemo", "megatron-deepspeed", "deepspeed-megatron", "transformer engine", "mlperf")
+#: frameworks whose FSDP reduce-scatters the gradients after every micro-batch and accumulates the shards (no
+#: no_sync / set_requires_gradient_sync(False) in their training loops): torchtitan (train.py's micro-batch loop
+#: calls backward under FSDP2's defaults), llm-foundry/Composer and NeMo AutoModel (FSDP2, the same loop shape).
+#: torchloom's ``("fsdp", {"accumulate_sharded": True})``; Megatron's distributed optimizer keeps whole fp32
+#: main gradients instead (not listed)
+SHARDED_ACCUMULATION_FRAMEWORKS = ("torchtitan", "llm-foundry", "nemo-automodel")
 #: accelerator names of the rows -> the planner's table (H800: an H100 SXM with 400 GB/s NVLink, patched below)
 GPU_ALIASES = {"h800": "h100-sxm", "gb200": "b200"}
 PRECISIONS = ("bf16", "fp16", "fp8")
@@ -229,7 +235,9 @@ def strategy_methods(run: PublishedRun) -> list[tuple[str, dict[str, Any]]]:
         out.append(("expert_parallel", {}))
     zero = p.get("zero")
     if p.get("fsdp") or zero == 3 or (d["cp"] > 1 and not zero):
-        out.append(("fsdp", {}))
+        framework = str(run.source.get("framework", "")).lower()
+        sharded_accum = framework in SHARDED_ACCUMULATION_FRAMEWORKS and d["pp"] == 1
+        out.append(("fsdp", {"accumulate_sharded": True} if sharded_accum else {}))
     elif zero in (1, 2):
         # Megatron's distributed optimizer (its "ZeRO-1"): bf16 model weights whole, fp32 main gradients whole
         # while micro-batches accumulate, fp32 master weights and Adam state sharded over dp; gradients

@@ -364,6 +364,7 @@ def auto_accelerate(
         dp_group=ctx.mesh.group(ctx.mesh.grad_view), dp_size=ctx.mesh.degree(ctx.mesh.grad_view),
         step_contexts=ctx.step_contexts, sequence_split=ctx.sequence_split,
         grad_norm_groups=ctx.grad_norm_groups, pre_step_hooks=ctx.pre_step_hooks,
+        sync_every_microbatch=ctx.sync_every_microbatch,
     )
     res = AccelerateResult(
         model=ctx.model, optimizer=ctx.optimizer, dataloader=dataloader, loss_func=loss_func,

@@ -55,6 +55,9 @@ class AccelContext:
     #: ``split(batch) -> batch``: this rank's tokens of every sample under a sequence split (context parallel /
     #: Ulysses: ``torchloom.parallel.context``), applied by TrainStep after ``prepare_input``; None: no split
     sequence_split: Callable[[Any], Any] | None = None
+    #: reduce gradients on every micro-batch of an accumulation window instead of only the last (fsdp's
+    #: ``accumulate_sharded``: gradients stay sharded between micro-batches); read by TrainStep
+    sync_every_microbatch: bool = False
     #: extra process groups over which the global gradient norm is summed (disjoint parameters: pipeline stages)
     grad_norm_groups: list[Any] = field(default_factory=list)
     #: ``hook(params)`` run at each optimizer step before unscaling/clipping (e.g. tied weights across stages)

@@ -258,9 +258,11 @@ class TrainStep:
                  dp_group: dist.ProcessGroup | None = None, dp_size: int = 1,
                  step_contexts: Sequence[Callable[[], Any]] = (), grad_norm_groups: Sequence[dist.ProcessGroup] = (),
                  pre_step_hooks: Sequence[Callable[[list], None]] = (), loss_report: str = "global",
-                 sequence_split: Callable[[Any], Any] | None = None):
+                 sequence_split: Callable[[Any], Any] | None = None, sync_every_microbatch: bool = False):
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+        #: reduce gradients on every micro-batch (fsdp ``accumulate_sharded``), not only the window's last
+        self.sync_every_microbatch = sync_every_microbatch
         self.loss_report = loss_report  # validated per call too: it is a public attribute users may set
         _check_loss_report(loss_report)
         self.model = model
@@ -429,6 +431,8 @@ class TrainStep:
     def _maybe_no_sync(self, sync: bool):
         if self.grad_accum_steps == 1:
             return contextlib.nullcontext()
+        if self.sync_every_microbatch:  # fsdp accumulate_sharded: reduce-scatter each micro-batch, keep shards
+            sync = True
         m = self.model
         if isinstance(m, DistributedDataParallel):
             # static_graph + no_sync crashes on the first backward and then silently stops all-reducing

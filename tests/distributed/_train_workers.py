@@ -74,7 +74,7 @@ def train_llama(strategy, steps: int, global_batch: int, micro_batch: int, optim
     graphs_before = _dynamo_graphs()
     dp, r = res.mesh.dp_size, res.mesh.dp_rank
     data = token_batches(steps * global_batch, seq=seq)
-    losses = []
+    losses, grads_mid_window = [], None
     for s in range(steps):
         xs = data[s * global_batch:(s + 1) * global_batch]
         per_rank = xs[r * (global_batch // dp):(r + 1) * (global_batch // dp)]
@@ -82,12 +82,17 @@ def train_llama(strategy, steps: int, global_batch: int, micro_batch: int, optim
         for k in range(res.grad_accum_steps):
             x = per_rank[k * micro_batch:(k + 1) * micro_batch]
             acc += res.train_step({"input_ids": x, "labels": x})
+            if s == 0 and k == 0 and res.grad_accum_steps > 1:
+                # FSDP2 sets .grad (the reduced shard) only when it reduce-scatters: mid-window, only when
+                # every micro-batch reduces (accumulate_sharded)
+                grads_mid_window = any(p.grad is not None for p in res.model.parameters())
         acc /= res.grad_accum_steps
         dist.all_reduce(acc, group=res.mesh.group("dp"))
         losses.append((acc / dp).item())
     out = {"losses": losses, "params": full_params(res.model), "notes": res.notes,
            "strategy": repr(res.strategy), "accum": res.grad_accum_steps, "init": init,
-           "buckets": ddp_buckets(res.model), "graphs_in_training": _dynamo_graphs() - graphs_before}
+           "buckets": ddp_buckets(res.model), "graphs_in_training": _dynamo_graphs() - graphs_before,
+           "grads_mid_window": grads_mid_window}
     if probe:
         out["applied"] = applied(res, data[:micro_batch])
     return out

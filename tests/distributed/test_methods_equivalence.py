@@ -76,6 +76,7 @@ FP32_2RANK = {
     # negative control: without the broadcast the ranks do not start from rank 0's weights (the check can fail)
     "zero3_seeded_nosync": dict(strategy=[("fsdp", {"sync_module_states": False})], micro_batch=4, seed_by_rank=True),
     "zero2_accum": dict(strategy=["zero2"], micro_batch=2, probe=True),
+    "zero3_accum_sharded": dict(strategy=[("fsdp", {"accumulate_sharded": True})], micro_batch=1),
     "zero3_ac": dict(strategy=["fsdp", "checkpoint"], micro_batch=4, probe=True),
     "ddp_ac_every2": dict(strategy=["ddp", ("checkpoint", {"every_k": 2})], micro_batch=4, probe=True),
     "zero3_offload": dict(strategy=[("fsdp", {"cpu_offload": True})], micro_batch=4, probe=True),
@@ -101,6 +102,10 @@ def test_fp32_methods_match_reference_2ranks(ref, wrong):
             assert torch.equal(o0["params"][k], o1["params"][k]), f"{name}: {k} differs across ranks"
     accum = {n: o["accum"] for n, o in zip(FP32_2RANK, outs[0])}
     assert accum["ddp_accum"] == 4 and accum["zero2_accum"] == 2 and accum["ddp"] == 1
+    assert accum["zero3_accum_sharded"] == 4
+    # accumulate_sharded reduce-scatters every micro-batch (sharded .grad mid-window); the default waits
+    grads_mid = {n: o["grads_mid_window"] for n, o in zip(FP32_2RANK, outs[0])}
+    assert grads_mid["zero3_accum_sharded"] is True and grads_mid["zero2_accum"] is False, grads_mid
     assert "ddp" in outs[0][2]["strategy"], "no strategy on 2 ranks must fall back to ddp"
     _assert_synced_from_rank0({n: (o0, o1) for n, o0, o1 in zip(FP32_2RANK, outs[0], outs[1])})
     _assert_methods_applied({n: o for n, o in zip(FP32_2RANK, outs[0])})

@@ -271,6 +271,20 @@ def test_matmul_rate_is_the_best_of_three_timings_even_when_one_call_spends_the_
     assert mb.Timer(torch.device("cpu")).per_call(lambda: None, 0.05) == pytest.approx(0.01)
 
 
+def test_oversubscribed_timing_uses_chunks_spanning_time_slices(monkeypatch):
+    """With ``min_chunk_s`` the single probe call (short enough to run while co-tenants are descheduled) does
+    not count and every timed chunk holds enough calls to last ``min_chunk_s``: probe 1 ms -> chunks of 50
+    calls; the best chunk's per-call time wins."""
+    monkeypatch.setattr(mb.Timer, "slowest", lambda self, seconds: seconds)
+    calls = []
+    monkeypatch.setattr(mb, "_clock", ScriptedClock([0.001, 0.2, 0.15]))  # probe, then two 50-call chunks
+    t = mb.Timer(torch.device("cpu"), min_chunk_s=0.05).per_call(lambda: calls.append(1), 0.01, warmup=False)
+    assert t == pytest.approx(0.15 / 50) and len(calls) == 1 + 2 * 50
+    # the calibration turns it on only when the ranks oversubscribe the cores
+    from torchloom.cost import calibrate
+    assert calibrate.OVERSUBSCRIBED_CHUNK_S >= 0.02
+
+
 def test_train_peak_benchmark_times_at_least_three_calls(monkeypatch):
     # reads: the deadline, then (start, end) per call; the first call alone passes the 0.3 s deadline
     reads = iter([0.0, 0.0, 1.0, 1.0, 1.1, 1.1, 1.3, 1.3])

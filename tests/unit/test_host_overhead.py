@@ -157,3 +157,45 @@ def test_analysis_records_code_style_and_trainable_tensors():
     cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=2)
     assert eager_code_style(transformers.LlamaForCausalLM(cfg)) == "transformers"
+
+
+# -- fsdp accumulate_sharded (torchtitan's gradient accumulation) ------------------------------------------------
+def test_accumulate_sharded_keeps_gradients_sharded_for_more_reduce_scatters():
+    """dp_shard 4, 4 micro-batches: the default accumulates a whole gradient per rank (the peak's grads are the
+    unsharded model) and reduce-scatters once per step; accumulate_sharded keeps 1/4 and reduce-scatters 4x."""
+    from test_search_cost import toy_hw as hw_of
+    info, hw = toy_info(), hw_of()
+    nb = info.parts[0].count
+    plain = predict(cand([("fsdp", {})], mb=1, accum=4, dp_shard=4), info, hw)
+    sharded = predict(cand([("fsdp", {"accumulate_sharded": True})], mb=1, accum=4, dp_shard=4), info, hw)
+    assert plain.memory["grads"] == pytest.approx(info.n_trainable * 4)
+    assert sharded.memory["grads"] == pytest.approx(info.n_trainable * 4 / 4)
+    calls = {p: next(r["calls"] for r in x.collectives if r["label"] == "fsdp.reduce_scatter")
+             for p, x in (("plain", plain), ("sharded", sharded))}
+    assert calls == {"plain": nb + 1, "sharded": 4 * (nb + 1)}
+    # without accumulation the option changes nothing
+    one = [predict(cand([("fsdp", c)], mb=4, accum=1, dp_shard=4), info, hw) for c in ({}, {"accumulate_sharded": True})]
+    assert one[0].step_time_s == one[1].step_time_s and one[0].peak_memory_bytes == one[1].peak_memory_bytes
+
+
+def test_accumulate_sharded_is_refused_under_pipeline_parallelism():
+    from torchloom.errors import StrategyError
+    from torchloom.search.validate import validate_strategy
+    info = toy_info()
+    c = cand([("fsdp", {"accumulate_sharded": True}), ("pipeline_parallel", {"schedule": "gpipe"})], mb=1, accum=4,
+             pp=2, dp_shard=2)
+    with pytest.raises(StrategyError, match="accumulate_sharded"):
+        validate_strategy(c.strategy(), info, c.dims)
+
+
+def test_the_search_tries_sharded_accumulation_for_fsdp_with_accumulation_only():
+    from torchloom.search.options import SearchOptions
+    from torchloom.search.space import enumerate_space
+    info = toy_info()
+    space = enumerate_space(info, 4, 16, SearchOptions.parse({}))
+    fsdp = [c for c in space.bases if c.config("fsdp") is not None and c.dims.dp_shard > 1 and c.dims.pp == 1]
+    with_rs = [c for c in fsdp if c.config("fsdp").get("accumulate_sharded")]
+    assert with_rs and all(c.grad_accum > 1 for c in with_rs)
+    assert {(repr(c.dims), c.micro_batch) for c in with_rs} == {(repr(c.dims), c.micro_batch) for c in fsdp
+                                                          if c.grad_accum > 1 and not c.config("fsdp").get("accumulate_sharded")}
+    assert all("/rs" in c.label() for c in with_rs)

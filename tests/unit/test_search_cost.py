@@ -247,11 +247,11 @@ def test_bad_effects_are_refused():
         Collective("all_reduce", 1.0, "dp", overlap="sometimes")
 
 
-def test_co_located_cpu_ranks_share_the_memory_bound_and_per_op_work():
-    """4 single-threaded ranks on 2 cores: the memory-bound bytes, the per-op dispatch and the optimizer
-    step take oversubscription (= 4 x 1 / 2 = 2) times what the per-rank calibration says; the GEMMs stay
-    at the calibrated rate (their long calibration loops already saw the sharing). A model that ignored
-    co-location would give ratio 1 (what the unchanged model printed: 1.0)."""
+def test_co_located_cpu_ranks_are_priced_at_the_rates_calibrated_for_them():
+    """4 single-threaded ranks on 2 cores: the calibration measures every rate with all 4 ranks busy, in chunks
+    spanning scheduler slices (``Timer.min_chunk_s``), so its figures are already each rank's share: the
+    memory-bound bytes, the per-op dispatch and the optimizer step are priced at them, with no further factor
+    (an oversubscription factor on top counted the sharing twice once the calibration measured it)."""
     import dataclasses
 
     info = toy_info()
@@ -265,10 +265,8 @@ def test_co_located_cpu_ranks_share_the_memory_bound_and_per_op_work():
 
     c = cand([("ddp", {})], dp_replicate=4)
     alone, shared = predict(c, info, hw(4, 4)), predict(c, info, hw(4, 2))
-    mm = predict(c, info, dataclasses.replace(hw(4, 4), mem_bw=1e30, op_overhead_s=0.0)).time["forward"]
-    assert shared.time["forward"] - mm == pytest.approx(2 * (alone.time["forward"] - mm), rel=1e-9)
-    assert shared.time["optimizer"] == pytest.approx(2 * alone.time["optimizer"], rel=1e-9)
-    assert alone.time["forward"] > mm  # the memory-bound / per-op part is there to be shared
+    assert shared.time["forward"] == pytest.approx(alone.time["forward"], rel=1e-12)
+    assert shared.time["optimizer"] == pytest.approx(alone.time["optimizer"], rel=1e-12)
 
 
 def test_predictions_match_the_recorded_grid():
@@ -278,7 +276,10 @@ def test_predictions_match_the_recorded_grid():
     against values recorded before the change (tests/unit/cost_grid.py). Tolerance 1e-12 relative: pure
     float arithmetic in the same order; any changed term (a wrong cached key: another micro-batch's pass
     time, another group's collective) moves a value by > 1e-3. Evaluated twice on the same analysis, so a
-    memo left on ``info``/``hw`` by the first pass cannot leak into the second."""
+    memo left on ``info``/``hw`` by the first pass cannot leak into the second. Re-recorded (``python
+    tests/unit/cost_grid.py``) only for a deliberate change of the model, which must name the machines it moves:
+    2026-12-05, the oversubscription factor removed (the calibration measures the sharing): the oversubscribed CPU
+    machine's 66 of 69 candidates moved, the H100 and toy machines' not one."""
     import json
     import sys
     from pathlib import Path

@@ -43,7 +43,9 @@ def format_table(hw: Hardware) -> str:
         lines.append("  host time per op in eager model code: " + ", ".join(
             f"{k} {v * 1e6:.2f} us" for k, v in hw.eager_op_overhead_s.items()))
     if hw.optimizer_tensor_s:
-        lines.append(f"  optimizer step (AdamW) per parameter tensor: {hw.optimizer_tensor_s * 1e6:.2f} us")
+        per_elem = "  ".join(f"{int(n):,}: {v * 1e9:.2f}" for n, v in hw.optimizer_element_s)
+        lines.append(f"  optimizer step (clip + AdamW): {hw.optimizer_tensor_s * 1e6:.2f} us per tensor; ns per "
+                     f"element by tensor size: {per_elem}")
     if hw.intra:
         sizes = sorted({b for fits in hw.intra.values() for f in fits.values() for b, _ in f.points})
         head = "".join(f"{_size(s):>10}" for s in sizes)

@@ -66,6 +66,9 @@ class Hardware:
         optimizer_tensor_s: host seconds per parameter tensor of gradient clipping + an AdamW step (the device's
             default implementation: a per-tensor loop on CPU, multi-tensor kernels on CUDA); 0: unknown (not
             priced).
+        optimizer_element_s: seconds per parameter element of the same step by tensor size, ``[(elements per
+            tensor, s)]``, all ranks at once (what the default implementation's passes over memory cost, from
+            cache for small tensors); empty: unknown, the cost model prices a fused Adam's traffic at ``mem_bw``.
         intra: collective fits inside a node, ``{kind: {group_size: CollectiveFit}}``.
         inter_bw / inter_latency_s: per-rank bandwidth (bytes/s) and latency across nodes (ring model).
         fingerprint: what identifies the machine (CPU/GPU model, cores, torch version, backend): plans and
@@ -95,6 +98,7 @@ class Hardware:
     op_overhead_s: float = 0.0
     eager_op_overhead_s: dict[str, float] = field(default_factory=dict)
     optimizer_tensor_s: float = 0.0
+    optimizer_element_s: list[tuple[float, float]] = field(default_factory=list)
     intra: dict[str, dict[int, CollectiveFit]] = field(default_factory=dict)
     inter_bw: float = 0.0
     inter_latency_s: float = 0.0
@@ -131,6 +135,21 @@ class Hardware:
         priced as GEMMs (no entry)."""
         r = self.attention_flops.get(dtype)
         return r[1 if backward else 0] if r else None
+
+    def optimizer_element_rate(self, elements_per_tensor: float) -> float:
+        """Seconds per element of the optimizer step for tensors of ``elements_per_tensor`` (log-linear between
+        the measured sizes, the end values beyond them); 0 without a measurement."""
+        pts = self.optimizer_element_s
+        if not pts:
+            return 0.0
+        if elements_per_tensor <= pts[0][0]:
+            return pts[0][1]
+        if elements_per_tensor >= pts[-1][0]:
+            return pts[-1][1]
+        xs = [math.log(p[0]) for p in pts]
+        i = bisect.bisect_left(xs, math.log(elements_per_tensor))
+        (x0, r0), (x1, r1) = (xs[i - 1], pts[i - 1][1]), (xs[i], pts[i][1])
+        return r0 + (r1 - r0) * (math.log(elements_per_tensor) - x0) / (x1 - x0)
 
     def host_op_seconds(self, eager_code: str | None) -> float:
         """Host seconds per counted op of an eager pass of ``eager_code`` style (``ModelInfo.eager_code``), else
@@ -184,6 +203,7 @@ class Hardware:
         d["intra"] = {k: {int(g): CollectiveFit([tuple(p) for p in pts]) for g, pts in v.items()}
                       for k, v in (d.get("intra") or {}).items()}
         d["matmul_flops"] = {k: [tuple(p) for p in v] for k, v in (d.get("matmul_flops") or {}).items()}
+        d["optimizer_element_s"] = [tuple(p) for p in d.get("optimizer_element_s") or ()]
         return cls(**d)
 
 

@@ -146,7 +146,7 @@ def predict(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence[
             time[key] = time.get(key, 0.0) + r["exposed_s"]
 
     # -- optimizer step: memory-bound traffic over the rank's updated elements ----------------------------
-    time["optimizer"] = _optimizer_time(mem, step, hw, _rank_tensors(info, loads))
+    time["optimizer"] = _optimizer_time(mem, step, hw, _rank_tensors(info, loads), info)
     time.update(time_add)
 
     # -- memory peak -------------------------------------------------------------------------------
@@ -330,28 +330,11 @@ def oversubscription(hw: Hardware) -> float:
     return max(1.0, hw.ranks_per_node * max(hw.threads_per_rank, 1) / cores)
 
 
-def colocated_share(hw: Hardware) -> float:
-    """How many times longer a co-located CPU rank's memory-bound and per-op work (elementwise ops, op
-    dispatch, the optimizer step) takes in a training step than the calibration's per-rank figures say:
-    ``oversubscription(hw)`` (1 when the ranks do not oversubscribe the cores, and off CPU).
-
-    Why: the calibration's timer keeps the fastest of a few short chunks. On oversubscribed cores (4
-    single-threaded ranks on 2 cores) a short chunk fits in one scheduler time slice and runs while the
-    rank's co-tenant is descheduled, so it measures an uncontended core: the per-rank ``mem_bw`` of 4 ranks
-    on 2 cores came out at 0.89 x that of 2 ranks (12.7 vs 14.3 GB/s; physically it is ~0.5 x: the same
-    cores and memory shared by twice the ranks), ``op_overhead_s`` 1.6 x instead of 2 x. In a step every
-    rank is runnable throughout, so each gets ``1 / oversubscription`` of a core. The calibrated matmul
-    loops are long (tens of ms per chunk) and already show the sharing (bf16 rates of 4 ranks are 0.53 x
-    those of 2), so GEMM rates are used as measured. ``calibrate.py`` should time these two with long
-    chunks (or the median chunk) under oversubscription; then this factor must go."""
-    over = oversubscription(hw)
-    return over if over > 1.0 else 1.0
-
-
 def activation_bandwidth(hw: Hardware) -> float:
-    """Bytes/s per rank of the step's memory-bound ops (elementwise, norms, softmax): the calibrated
-    stream bandwidth, shared between co-located ranks (:func:`colocated_share`)."""
-    return hw.mem_bw / colocated_share(hw)
+    """Bytes/s per rank of the step's memory-bound ops (elementwise, norms, softmax): the calibrated stream
+    bandwidth, measured with every co-located rank streaming at once (in chunks spanning scheduler time slices
+    when the ranks oversubscribe the cores: ``Timer.min_chunk_s``), so already their share."""
+    return hw.mem_bw
 
 
 
@@ -401,21 +384,44 @@ def _pass_time(cache: dict, key, pc: PassCost, mb: float, dtype: str, hw: Hardwa
         t += (pc.fused_bytes if fused else pc.other_bytes) * mb * other / activation_bandwidth(hw)
     ops = pc.fused_kernels if fused else pc.ops
     # the methods' extra ops (DTensor dispatch, FSDP hooks, autocast casts) are counted in bare dispatches
-    host = (ops * ops_scale * op_s + ops_add * hw.op_overhead_s) * colocated_share(hw)
+    host = ops * ops_scale * op_s + ops_add * hw.op_overhead_s
     t = max(t, host) if hw.async_launch else t + host
     cache[k] = (t, t_mm)
     return t, t_mm
 
 
-def _optimizer_time(mem: dict[str, float], step: StepShape, hw: Hardware, tensors: float = 0.0) -> float:
-    """Adam over the rank's updated elements (optimizer bytes / two states), memory-bound, plus its host work
-    per parameter tensor (``hw.optimizer_tensor_s`` x ``tensors``: dominant for small models on CPU, where
-    PyTorch's AdamW loops over the tensors in Python)."""
+def _optimizer_time(mem: dict[str, float], step: StepShape, hw: Hardware, tensors: float = 0.0,
+                    info: ModelInfo | None = None) -> float:
+    """Adam over the rank's updated elements (optimizer bytes / two states): at the calibrated seconds per element
+    of PyTorch's default implementation (``hw.optimizer_element_s``, measured; scaled by the state's bytes
+    against fp32) where known, else a fused kernel's traffic at ``hw.mem_bw`` (the GPU tables: production runs
+    use fused Adam); plus its host work per parameter tensor (``hw.optimizer_tensor_s`` x ``tensors``:
+    dominant for small models on CPU, where PyTorch's AdamW loops over the tensors in Python)."""
     sb = DTYPE_BYTES.get(step.param_dtype, 4)
     elems = mem["optimizer"] / (2 * sb)
+    host = tensors * hw.optimizer_tensor_s
+    if hw.optimizer_element_s and info is not None:
+        return _measured_optimizer_seconds(info, elems, hw) * sb / 4 + host
     traffic = elems * (_ADAM_PARAM_RW * sb + _ADAM_GRAD_R * sb + _ADAM_STATE_RW * sb)
     t = traffic / hw.mem_bw if hw.mem_bw > 0 else 0.0
-    return (t + tensors * hw.optimizer_tensor_s) * colocated_share(hw)
+    return t + host
+
+
+def _measured_optimizer_seconds(info: ModelInfo, elems: float, hw: Hardware) -> float:
+    """``elems`` updated elements at the calibrated seconds per element of their tensors' size: each part's
+    share of the trainable elements at its mean tensor size, scaled to the rank's shard (FSDP/TP shard every
+    tensor; ``elems / n_trainable`` of each)."""
+    total = sum(p.trainable * p.count for p in info.parts)
+    if total <= 0:
+        return 0.0
+    shard = elems / total
+    t = 0.0
+    for p in info.parts:
+        if p.trainable <= 0:
+            continue
+        size = p.trainable / max(p.tensors, 1) * min(shard, 1.0)
+        t += elems * (p.trainable * p.count / total) * hw.optimizer_element_rate(size)
+    return t
 
 
 def _rank_tensors(info: ModelInfo, loads) -> float:

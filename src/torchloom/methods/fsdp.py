@@ -13,6 +13,7 @@ from torch.distributed.tensor import Shard
 from ..cost.effects import (Collective, Effects, GROUPED, block_params, blocks_per_rank, dense_params,
                             dtype_bytes, expert_params, moe_layers_per_rank, rank_params)
 from ..cost.memo import memo_model_check
+from ..errors import StrategyError
 from ..parallel.blocks import find_blocks, shared_parameter_owners
 from ..parallel.buffers import broadcast_module_states, install_buffer_sync
 from ..parallel.expert.reduce import broadcast_states_by_group, expert_tensor_ids
@@ -35,6 +36,12 @@ class FSDPConfig:
         every optimizer step (FSDP never synchronises buffers; see ``torchloom.parallel.buffers``).
     sync_module_states: broadcast parameters and buffers from data-parallel rank 0 before sharding, so
         ranks that built differently initialised models train one model (as DDP does at wrap time).
+    accumulate_sharded: under gradient accumulation, reduce-scatter the gradients after every micro-batch and
+        accumulate the shards (torchtitan's, Composer's and NeMo AutoModel's FSDP behaviour): gradient memory
+        stays 1/dp_shard of the model, at ``grad_accum`` x the reduce-scatters. False (default): the
+        micro-batches before the last accumulate unsharded gradients (``set_requires_gradient_sync(False)``),
+        one reduce-scatter per step, a whole unsharded gradient per rank. No effect without accumulation;
+        refused with pipeline parallelism (its schedule reduces once per step).
     """
 
     reshard_after_forward: bool = True
@@ -43,6 +50,7 @@ class FSDPConfig:
     reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     sync_buffers: bool = True
     sync_module_states: bool = True
+    accumulate_sharded: bool = False
 
 
 @register_method
@@ -74,9 +82,16 @@ class FSDP(Method):
 
     def configure(self, ctx) -> None:
         ctx.data_parallel = self.name
+        if self.config.accumulate_sharded:
+            _check_accumulate_sharded(ctx.strategy)
+            ctx.sync_every_microbatch = True
 
     def validate(self, info, dims) -> None:
-        """``apply``'s model checks: the wrap classes exist in the (meta) model."""
+        """``apply``'s model checks: the wrap classes exist in the (meta) model; with the whole strategy known,
+        ``accumulate_sharded`` is not combined with pipeline parallelism."""
+        strategy = getattr(self, "planning_strategy", None)
+        if strategy is not None and self.config.accumulate_sharded:
+            _check_accumulate_sharded(strategy)
         if info.module is not None:  # memoised: a search checks thousands of candidates on one model
             wrap = tuple(self.config.wrap_cls) if self.config.wrap_cls is not None else None
             memo_model_check(info.module, ("fsdp.wrap_cls", wrap), lambda: find_blocks(info.module, wrap and list(wrap)))
@@ -125,8 +140,12 @@ class FSDP(Method):
         e = Effects(self.name, memory_scale={k: 1.0 / n for k in ("params", "grads", "optimizer")},
                     ops_add=_FSDP_OPS_PER_UNIT)
         e.memory_add["temporary"] = gathered + rest * cd
-        e.grads_unsharded_accum = total * rd
         accum = step.grad_accum
+        # accumulating unsharded: the micro-batches before the last keep a whole gradient per rank; sharded:
+        # every micro-batch reduce-scatters (accum x the calls), the shards accumulate
+        sharded_accum = c.accumulate_sharded and accum > 1
+        e.grads_unsharded_accum = 0.0 if sharded_accum else total * rd
+        rs_calls = accum if sharded_accum else 1
         # forward passes that find the units sharded: every micro-batch's, except under pipeline parallelism:
         # torch.distributed.pipelining turns off resharding after backward until the step's last one
         # (stage.backward_maybe_with_nosync), so ZeRO-2 gathers once per step and ZeRO-3 only in the
@@ -142,14 +161,14 @@ class FSDP(Method):
                 e.collectives.append(Collective("all_gather", block * cd, shard_view, calls=accum * nb,
                                                 overlap="backward", label="fsdp.all_gather_bwd"))
             e.collectives.append(Collective("reduce_scatter", (block * nb + rest) * rd / (nb + 1), shard_view,
-                                            calls=nb + 1, overlap="backward", exposed_calls=1,
+                                            calls=rs_calls * (nb + 1), overlap="backward", exposed_calls=rs_calls,
                                             label="fsdp.reduce_scatter"))
         if r > 1:
             e.collectives.append(Collective("all_reduce", (block * nb + rest) * rd / (nb + 1) / n, "dp_replicate",
-                                            calls=nb + 1, overlap="backward", exposed_calls=1,
+                                            calls=rs_calls * (nb + 1), overlap="backward", exposed_calls=rs_calls,
                                             label="fsdp.all_reduce_replicate"))
         if ex is not None:
-            _price_expert_units(e, ex, dims, nb, cd, rd, accum, zero3)
+            _price_expert_units(e, ex, dims, nb, cd, rd, accum, zero3, rs_calls)
         if c.cpu_offload:
             if hw.device_type == "cpu":
                 e.notes.append("cpu_offload on a CPU device: state already in host memory, nothing moves")
@@ -292,8 +311,16 @@ def _expert_units(info, dims) -> _ExpertUnits | None:
                         dense_block)
 
 
+def _check_accumulate_sharded(strategy) -> None:
+    if "pipeline_parallel" in strategy:
+        raise StrategyError(
+            "fsdp: accumulate_sharded reduces the gradients after every micro-batch, but under pipeline_parallel the "
+            "schedule runs the micro-batches and reduces once per step (the units stay unsharded between them); "
+            "drop accumulate_sharded.")
+
+
 def _price_expert_units(e, ex: _ExpertUnits, dims, nb: int, cd: int, rd: int, accum: int,
-                        zero3: bool) -> None:
+                        zero3: bool, rs_calls: int = 1) -> None:
     """Add the experts units to FSDP's ``Effects`` ``e``: each is sharded over the whole ``edp`` (the 1-D
     ``mesh["edp"]``, whatever ``dp_replicate``/``dp_shard`` are), so its parameters, gradients and Adam state
     are ``1/edp`` of the rank's ``1/ep`` (``group_memory_scale``, not the dense ``1/dp_shard``); per micro-
@@ -301,10 +328,12 @@ def _price_expert_units(e, ex: _ExpertUnits, dims, nb: int, cd: int, rd: int, ac
     unit, on ``edp``, each prefetched/overlapped behind the dense units of the same pass (the first and last
     collective of a pass are the root's, already counted exposed); none when ``edp == 1``. Transient: ZeRO-3
     the last block's experts gathered with it, ZeRO-2 all of the rank's. The extra units' hooks add to
-    ``ops_add`` per block instance."""
+    ``ops_add`` per block instance. ``rs_calls``: reduce-scatters per step (``accum`` under
+    ``accumulate_sharded``, whose shards accumulate: no unsharded expert gradient then)."""
     edp = dims.edp
     e.group_memory_scale["expert"] = {k: 1.0 / edp for k in GROUPED}
-    e.grads_unsharded_accum += ex.elements * rd
+    if rs_calls == 1:
+        e.grads_unsharded_accum += ex.elements * rd
     layers = ex.layers
     unit = ex.elements / layers if layers else 0.0
     e.memory_add["temporary"] += (min(layers, 1) * unit if zero3 else ex.elements) * cd
@@ -318,7 +347,7 @@ def _price_expert_units(e, ex: _ExpertUnits, dims, nb: int, cd: int, rd: int, ac
     if zero3:
         e.collectives.append(Collective("all_gather", unit * cd, "edp", calls=accum * layers, overlap="backward",
                                         label="fsdp.expert_all_gather_bwd"))
-    e.collectives.append(Collective("reduce_scatter", unit * rd, "edp", calls=layers, overlap="backward",
+    e.collectives.append(Collective("reduce_scatter", unit * rd, "edp", calls=rs_calls * layers, overlap="backward",
                                     label="fsdp.expert_reduce_scatter"))
 
 

@@ -64,7 +64,9 @@ class Candidate:
         parts = []
         for n, c in self.methods:
             if n == "fsdp":
-                parts.append("zero2" if c.get("reshard_after_forward") is False else "zero3")
+                zero = "zero2" if c.get("reshard_after_forward") is False else "zero3"
+                # /rs: reduce-scatter every micro-batch, gradients kept sharded (accumulate_sharded)
+                parts.append(zero + ("/rs" if c.get("accumulate_sharded") else ""))
                 if c.get("cpu_offload"):
                     parts.append("offload")
             elif n == "amp":

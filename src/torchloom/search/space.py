@@ -333,6 +333,12 @@ def _bases_for(dims, dp_item, precisions, extras, global_batch, seq_len, options
         if _conflicting(tuple(n for n, _ in items)):
             continue
         out.append(Candidate(dims, tuple(items), mb, accum, seq_len))
+        if accum > 1 and sched is None and dp_item is not None and dp_item[0] == "fsdp" and dims.dp_shard * dims.cp > 1 \
+                and "accumulate_sharded" not in dp_item[1]:
+            # FSDP under accumulation: unsharded gradients between micro-batches (one reduce-scatter per step),
+            # or a reduce-scatter per micro-batch keeping them sharded (torchtitan's): memory against traffic
+            sharded = ("fsdp", {**dp_item[1], "accumulate_sharded": True})
+            out.append(Candidate(dims, tuple(sharded if i is dp_item else i for i in items), mb, accum, seq_len))
     return out
 
 
