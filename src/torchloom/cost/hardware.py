@@ -121,14 +121,7 @@ class Hardware:
         pts = self.matmul_flops.get(dtype) or self.matmul_flops.get("float32") or []
         if not pts:
             raise ValueError(f"hardware '{self.name}' has no matmul calibration for {dtype}.")
-        if gemm_flops <= pts[0][0]:
-            return pts[0][1]
-        if gemm_flops >= pts[-1][0]:
-            return pts[-1][1]
-        xs = [math.log(p[0]) for p in pts]
-        i = bisect.bisect_left(xs, math.log(gemm_flops))
-        (x0, r0), (x1, r1) = (xs[i - 1], pts[i - 1][1]), (xs[i], pts[i][1])
-        return r0 + (r1 - r0) * (math.log(gemm_flops) - x0) / (x1 - x0)
+        return _log_interp(pts, gemm_flops)
 
     def attention_rate(self, dtype: str, backward: bool) -> float | None:
         """Achieved FLOP/s of the attention kernel's forward or backward in ``dtype``, or None when attention is
@@ -139,17 +132,7 @@ class Hardware:
     def optimizer_element_rate(self, elements_per_tensor: float) -> float:
         """Seconds per element of the optimizer step for tensors of ``elements_per_tensor`` (log-linear between
         the measured sizes, the end values beyond them); 0 without a measurement."""
-        pts = self.optimizer_element_s
-        if not pts:
-            return 0.0
-        if elements_per_tensor <= pts[0][0]:
-            return pts[0][1]
-        if elements_per_tensor >= pts[-1][0]:
-            return pts[-1][1]
-        xs = [math.log(p[0]) for p in pts]
-        i = bisect.bisect_left(xs, math.log(elements_per_tensor))
-        (x0, r0), (x1, r1) = (xs[i - 1], pts[i - 1][1]), (xs[i], pts[i][1])
-        return r0 + (r1 - r0) * (math.log(elements_per_tensor) - x0) / (x1 - x0)
+        return _log_interp(self.optimizer_element_s, elements_per_tensor) if self.optimizer_element_s else 0.0
 
     def host_op_seconds(self, eager_code: str | None) -> float:
         """Host seconds per counted op of an eager pass of ``eager_code`` style (``ModelInfo.eager_code``), else
@@ -205,6 +188,19 @@ class Hardware:
         d["matmul_flops"] = {k: [tuple(p) for p in v] for k, v in (d.get("matmul_flops") or {}).items()}
         d["optimizer_element_s"] = [tuple(p) for p in d.get("optimizer_element_s") or ()]
         return cls(**d)
+
+
+def _log_interp(pts, x: float) -> float:
+    """The value at ``x`` of sorted ``(size, value)`` points: linear in ``log(size)`` between them, the end values
+    beyond them."""
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1]
+    xs = [math.log(p[0]) for p in pts]
+    i = bisect.bisect_left(xs, math.log(x))
+    (x0, r0), (x1, r1) = (xs[i - 1], pts[i - 1][1]), (xs[i], pts[i][1])
+    return r0 + (r1 - r0) * (math.log(x) - x0) / (x1 - x0)
 
 
 def _ring_factor(kind: str, g: int) -> float:
