@@ -237,7 +237,8 @@ def auto_accelerate(
         check_prediction: compare each optimizer step's measured wall time (from the end of the previous
             ``train_step`` optimizer step) with the cost model's prediction for the plan that runs, and warn once
             (:class:`~torchloom.search.drift.PredictionDriftWarning`, rank 0) when the median of the last 20
-            steps after 3 warm-up steps is off by more than the published error band (20%), naming the
+            steps after 3 warm-up steps is off by more than the published error band (``STEP_TIME_BAND``, 60%: the
+            largest step-time error the accuracy benchmark measured), naming the
             ``loom calibrate --refresh`` command. Costs the model analysis (~0.5 s for a 4M-parameter LLaMA;
             none with ``strategy="auto"``) and the calibration check (~0.3 s when cached; ~10 s, once per
             machine, when not). ``res.prediction_check.record()`` gives ``predicted_step_s``,

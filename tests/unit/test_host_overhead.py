@@ -199,3 +199,112 @@ def test_the_search_tries_sharded_accumulation_for_fsdp_with_accumulation_only()
     assert {(repr(c.dims), c.micro_batch) for c in with_rs} == {(repr(c.dims), c.micro_batch) for c in fsdp
                                                           if c.grad_accum > 1 and not c.config("fsdp").get("accumulate_sharded")}
     assert all("/rs" in c.label() for c in with_rs)
+
+
+def test_the_label_shows_sharded_accumulation_only_when_there_is_accumulation():
+    # published plans set accumulate_sharded whatever the batch; with one micro-batch it changes nothing
+    assert "zero3/rs" in cand([("fsdp", {"accumulate_sharded": True})], mb=1, accum=4, dp_shard=2).label()
+    label = cand([("fsdp", {"accumulate_sharded": True})], mb=4, accum=1, dp_shard=2).label()
+    assert "zero3" in label and "/rs" not in label
+
+
+# ---- DTensor optimizer, FSDP2's own work per unit, TrainStep per call (calibration method 5) --------------
+def test_dtensor_parameters_pay_the_dtensor_rate_per_tensor_only_under_fsdp_and_tp():
+    """FSDP2 and tensor parallelism hand the optimizer DTensors: 3 L + 2 tensors at ``optimizer_dtensor_s``;
+    DDP's plain tensors keep ``optimizer_tensor_s``; an uncalibrated DTensor rate falls back to it."""
+    info = _info(ops_f=0, ops_b=0)
+    L = info.parts[0].count
+    base = _cpu_hw()
+    hw = _cpu_hw(optimizer_tensor_s=40e-6, optimizer_dtensor_s=300e-6)
+    for methods, dims, per in (([("ddp", {})], {"dp_replicate": 2}, 40e-6),
+                               ([("fsdp", {})], {"dp_shard": 2}, 300e-6),
+                               ([("tensor_parallel", {})], {"tp": 2}, 300e-6)):
+        c = cand(methods, mb=2, **dims)
+        extra = predict(c, info, hw).time["optimizer"] - predict(c, info, base).time["optimizer"]
+        assert extra == pytest.approx((3 * L + 2) * per, rel=1e-9), methods
+    c = cand([("fsdp", {})], mb=2, dp_shard=2)
+    fallback = _cpu_hw(optimizer_tensor_s=40e-6)
+    assert predict(c, info, fallback).time["optimizer"] - predict(c, info, base).time["optimizer"] == \
+        pytest.approx((3 * L + 2) * 40e-6, rel=1e-9)
+
+
+def test_fsdp_units_pay_the_calibrated_work_per_unit_and_tensor_in_each_micro_batch():
+    """Per micro-batch every block unit (3 tensors) costs unit + 3 tensor seconds and the root (2 tensors)
+    unit + 2 tensor; the reducing micro-batch adds ``fsdp_unit_reduce_s`` per unit: with accumulation 2,
+    host = 2 (L (u + 3 t) + (u + 2 t)) + (L + 1) r (forward and backward together)."""
+    info = _info(ops_f=0, ops_b=0)
+    L = info.parts[0].count
+    u, t, r = 1e-3, 1e-4, 5e-4
+    hw = _cpu_hw(op_overhead_s=1e-6, fsdp_unit_s=u, fsdp_tensor_s=t, fsdp_unit_reduce_s=r)
+    c = cand([("fsdp", {})], mb=1, accum=2, dp_shard=2)
+    zero = _cpu_hw(op_overhead_s=1e-6)  # uncalibrated: the dozen bare dispatches per block unit
+    got = _host(predict(c, info, hw)) - _host(predict(c, info, zero))
+    want = 2 * (L * (u + 3 * t) + (u + 2 * t)) + (L + 1) * r - 2 * 3 * 12 * L * 1e-6
+    assert got == pytest.approx(want, rel=1e-9)
+    # sharded accumulation reduces in every micro-batch: the reduce share doubles
+    rs = cand([("fsdp", {"accumulate_sharded": True})], mb=1, accum=2, dp_shard=2)
+    got_rs = _host(predict(rs, info, hw)) - _host(predict(rs, info, zero))
+    assert got_rs - got == pytest.approx((L + 1) * r, rel=1e-9)
+
+
+def test_train_step_calls_are_priced_per_micro_batch_and_per_schedule_call_under_pipelining():
+    info = _info(ops_f=0, ops_b=0)
+    hw = _cpu_hw(train_step_call_s=1e-3)
+    assert predict(cand([], mb=1, accum=4), info, hw).time["train_step"] == pytest.approx(4e-3)
+    assert "train_step" not in predict(cand([], mb=1, accum=4), info, _cpu_hw()).time
+    pp = cand([("pipeline_parallel", {"schedule": "gpipe"})], mb=1, accum=4, pp=2)
+    assert predict(pp, info, hw).time["train_step"] == pytest.approx(1e-3)  # one call runs the 4 micro-batches
+
+
+def test_new_measurements_subtract_the_bare_work_and_the_priced_collectives():
+    """The measuring functions on a scripted clock, one process (no group: 0 for the FSDP terms; the
+    optimizer over DTensors on a 1-rank mesh and TrainStep are real calls)."""
+    import os
+
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        made = True
+    else:
+        made = False
+    try:
+        assert eager_overhead.fsdp_unit_seconds(_Clock(1.0), 0.0, None, lambda b: 0.0, lambda b: 0.0) == (0, 0, 0)
+        assert eager_overhead.optimizer_dtensor_seconds(_Clock(0.0032), 0.0, None, tensors=32) == pytest.approx(1e-4)
+        assert eager_overhead.train_step_seconds(_Clock(0.5), 0.0, None) == 0.0  # same clock: nothing on top
+        seq = iter([0.010, 0.014])  # bare 10 ms, TrainStep 14 ms for 2 calls: 2 ms per call
+
+        class _Seq(_Clock):
+            def per_call(self, fn, target_s):
+                fn()
+                return next(seq)
+        assert eager_overhead.train_step_seconds(_Seq(0), 0.0, None, accum=2) == pytest.approx(2e-3)
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def test_backward_weight_gemms_pay_the_measured_layout_factor_and_the_forward_does_not():
+    """bf16 on a CPU without native bf16: the input gradient's plain ``dY @ W`` runs ~6x slower than the
+    forward's ``X @ W^T``; the calibrated factor multiplies the backward's GEMM time only."""
+    info = _info(ops_f=0, ops_b=0)
+    c = cand([], mb=2)
+    plain = predict(c, info, _cpu_hw())
+    slow = predict(c, info, _cpu_hw(backward_gemm_factor={"float32": 3.0}))
+    assert slow.time["forward"] == pytest.approx(plain.time["forward"], rel=1e-12)
+    assert slow.time["backward"] == pytest.approx(3.0 * plain.time["backward"], rel=1e-9)  # toy: GEMMs only
+    other = predict(c, info, _cpu_hw(backward_gemm_factor={"bfloat16": 3.0}))  # another dtype's factor
+    assert other.time["backward"] == pytest.approx(plain.time["backward"], rel=1e-12)
+
+
+def test_backward_gemm_factor_compares_the_gradient_layouts_with_the_forward():
+    from torchloom.cost import microbench
+
+    seq = iter([1e-3, 5e-3, 1e-3])  # forward, input gradient, weight gradient
+
+    class _Seq(_Clock):
+        def per_call(self, fn, target_s, samples=1):
+            fn()
+            return next(seq)
+    assert microbench.backward_gemm_factor(_Seq(0), torch.float32, 8, 0.0) == pytest.approx(3.0)

@@ -21,6 +21,8 @@ from torchloom.strategy.strategy import Strategy
 
 
 def _fed(predicted, times, **kw):
+    """A check fed ``times``; the statistic's tests use a +-20% band (the default is the published one)."""
+    kw.setdefault("band", 0.20)
     said = []
     d = PredictionDrift(predicted, plan="dpr2 | ddp | mb8x1", emit=said.append,
                         refresh="loom calibrate --refresh --nproc 2", **kw)
@@ -31,7 +33,15 @@ def _fed(predicted, times, **kw):
 
 # -- the statistic --------------------------------------------------------------------------------------
 def test_the_band_is_the_published_max_step_time_error():
-    assert STEP_TIME_BAND == 0.20 and WARMUP_STEPS >= 1 and MIN_STEPS >= 5
+    """The band is the largest step-time error the accuracy benchmark published, rounded up to 5 points: when
+    the benchmark is re-measured, this fails until the band follows it."""
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "search_accuracy.json"
+    worst = json.loads(results.read_text())["overall"]["time_max_ape"] / 100
+    assert worst <= STEP_TIME_BAND < worst + 0.05
+    assert WARMUP_STEPS >= 1 and MIN_STEPS >= 5
 
 
 def test_warmup_steps_are_skipped_and_the_window_median_is_measured():
@@ -46,7 +56,8 @@ def test_warmup_steps_are_skipped_and_the_window_median_is_measured():
     assert d.record() == {"predicted_step_s": 0.1, "measured_step_s": 0.2, "drift": pytest.approx(1.0)}
     s = d.summary()  # the run: every step after warm-up
     assert s["measured_step_s"] == 0.2 and s["steps_measured"] == 8 and s["warmup_steps"] == 2
-    assert s["drift"] == pytest.approx(1.0) and s["band"] == STEP_TIME_BAND and s["unavailable"] is None
+    assert s["drift"] == pytest.approx(1.0) and s["band"] == 0.20 and s["unavailable"] is None
+    assert PredictionDrift(0.1).band == STEP_TIME_BAND  # the default: the published band
 
 
 def test_one_warning_past_the_band_naming_both_numbers_and_the_fix():

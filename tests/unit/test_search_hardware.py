@@ -206,6 +206,11 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
         (f0, r0), (f1, r1) = hw.matmul_flops[dt]
         assert f0 == 2 * 64 ** 3 and f1 == 2 * 256 ** 3 and r0 > 0 and r1 > 0
     assert hw.mem_bw > 1e8 and 0 < hw.op_overhead_s < 1e-3
+    # host work of the step as run (calibration method 5): DTensor optimizer, TrainStep; FSDP2's own work per
+    # unit only with a collective to wait on (2+ ranks), each >= 0 after its subtraction
+    assert hw.optimizer_dtensor_s > 0 and hw.train_step_call_s >= 0
+    assert min(hw.fsdp_unit_s, hw.fsdp_tensor_s, hw.fsdp_unit_reduce_s) >= 0
+    assert ranks == 1 or hw.fsdp_unit_s + hw.fsdp_tensor_s > 0
     for kind in COLLECTIVES:
         (b0, t0), (b1, t1) = hw.intra[kind][ranks].points
         assert (b0, b1) == (4 * KiB, 8 * MiB)

@@ -97,8 +97,10 @@ def fingerprint(backend: str | None = None) -> dict[str, Any]:
 #: what the calibration measures, in the cache file's name: a calibration measured another way is not reused
 #: (2: GEMMs timed as ``x @ W^T``, nn.Linear's layout; 3: host cost per op of eager model code,
 #: ``eager_op_overhead_s``, and the optimizer step per tensor and per element; 4: chunks spanning scheduler
-#: slices when the ranks oversubscribe the cores)
-CALIBRATION_METHOD = {"calibration_method": 4}
+#: slices when the ranks oversubscribe the cores; 5: the optimizer step over DTensor parameters, ``optimizer_dtensor_s``, FSDP2's
+#: own work per unit, ``fsdp_unit_s``, TrainStep's per micro-batch, ``train_step_call_s``, and the backward's GEMM layouts,
+#: ``backward_gemm_factor``)
+CALIBRATION_METHOD = {"calibration_method": 5}
 #: shortest timed chunk when the ranks oversubscribe the cores: several CFS time slices (Linux's default
 #: ``sched_min_granularity`` is 0.75-3 ms and a slice is at most ``sched_latency`` 6-24 ms), so a chunk sees its
 #: co-tenants run
@@ -194,17 +196,24 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
     probe = _probe(device, threads, workers) if dist.get_rank() == members[0] else 0.0
     timer.slowest(0.0)
 
-    n_compute = len(dtypes) * len(msizes) + 2
+    # timed measurements sharing the compute budget: the GEMM sweep, memory bandwidth, bare dispatch, eager
+    # code per style, the optimizer per tensor and per element at each size (a new one must be counted here)
+    n_compute = (len(dtypes) * (len(msizes) + 1) + 2 + eager_overhead.measured_styles()
+                 + 4 + len(eager_overhead.OPTIMIZER_SIZES))
     n_comm = len(COLLECTIVES) * len(sizes) * len(gsizes) + (2 if nodes > 1 else 0)
     t_compute = budget_s * (COMPUTE_SHARE if n_comm else 1.0) / n_compute
     t_comm = budget_s * (1 - COMPUTE_SHARE) / max(1, n_comm)
 
     matmul = {str(dt).removeprefix("torch."): mb.matmul_rates(timer, dt, msizes, t_compute) for dt in dtypes}
+    backward_gemm = {str(dt).removeprefix("torch."): mb.backward_gemm_factor(
+        timer, dt, mb.BACKWARD_LAYOUT_N[device.type], t_compute) for dt in dtypes}
     mem_bw = mb.memory_bandwidth(timer, mb.STREAM_BYTES[device.type], t_compute)
     overhead = mb.op_overhead(timer, t_compute)
     eager = eager_overhead.measure(timer, t_compute)
     per_tensor = eager_overhead.optimizer_tensor_seconds(timer, t_compute)
     per_element = eager_overhead.optimizer_element_seconds(timer, t_compute, per_tensor)
+    per_dtensor = eager_overhead.optimizer_dtensor_seconds(timer, t_compute, group)
+    per_call = eager_overhead.train_step_seconds(timer, t_compute, group)
 
     intra: dict[str, dict[int, CollectiveFit]] = {k: {} for k in COLLECTIVES}
     for g in gsizes:
@@ -215,6 +224,10 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
             intra[kind][g] = CollectiveFit(mb.collective_points(timer, kind, sizes, pg, ranks, t_comm))
         if made:
             dist.destroy_process_group(pg)
+    fsdp_unit = fsdp_tensor = fsdp_reduce = 0.0
+    if world in intra["all_gather"]:  # FSDP2's own work per unit beside the collectives just fitted
+        fsdp_unit, fsdp_tensor, fsdp_reduce = eager_overhead.fsdp_unit_seconds(
+            timer, t_compute, group, intra["all_gather"][world].time, intra["reduce_scatter"][world].time)
     inter_bw = inter_lat = 0.0
     if nodes > 1:
         inter_bw, inter_lat = _measure_inter(timer, members, local, nodes, backend, sizes, t_comm)
@@ -231,9 +244,10 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
         memory_bytes=float(torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
                            else _ram_bytes() / local),
         ranks_per_node=local, num_nodes=nodes,
-        matmul_flops=matmul, peak_flops=peaks,
+        matmul_flops=matmul, peak_flops=peaks, backward_gemm_factor=backward_gemm,
         mem_bw=mem_bw, op_overhead_s=overhead, eager_op_overhead_s=eager, optimizer_tensor_s=per_tensor,
-        optimizer_element_s=per_element,
+        optimizer_element_s=per_element, optimizer_dtensor_s=per_dtensor, fsdp_unit_s=fsdp_unit,
+        fsdp_tensor_s=fsdp_tensor, fsdp_unit_reduce_s=fsdp_reduce, train_step_call_s=per_call,
         intra={k: v for k, v in intra.items() if v},
         inter_bw=inter_bw, inter_latency_s=inter_lat,
         fingerprint=fingerprint(backend), threads_per_rank=torch.get_num_threads(),
@@ -247,6 +261,15 @@ def measure_in_group(budget_s: float = DEFAULT_BUDGET_S, *, group=None, ranks_pe
                   "eager_op_overhead_s": how + " (tiny reference decoders forward + backward, ops counted by the "
                                                "analysis: torchloom.cost.eager_overhead)",
                   "optimizer_tensor_s": how + " (clip_grad_norm_ + AdamW step over 64 16-element tensors)",
+                  "optimizer_dtensor_s": how + " (torchloom's clip_grad_norm_ + AdamW over 32 DTensors sharded "
+                                               "over the ranks: what FSDP2 / tensor parallelism step)",
+                  "fsdp_unit_s": how + " (FSDP2 over the ranks: 8 units of one and of four Linears forward + backward, "
+                                       "the plain models and the calibrated all-gathers / reduce-scatters "
+                                       "subtracted; also fsdp_tensor_s, fsdp_unit_reduce_s)",
+                  "backward_gemm_factor": how + " (input- and weight-gradient GEMM layouts against the forward's "
+                                                "at the same size: torchloom.cost.microbench.backward_gemm_factor)",
+                  "train_step_call_s": how + " (TrainStep over a one-Linear model, the loss reported over the "
+                                             "ranks, against the same work run bare)",
                   "optimizer_element_s": how + " (clip_grad_norm_ + AdamW step, 4 Mi elements in tensors of 64 Ki, 512 Ki and 4 Mi elements)",
                   "peak_flops": peak_source or how + " (maximum measured rate per dtype)",
                   "memory_bytes": "torch.cuda device memory" if device.type == "cuda" else "MemTotal / ranks per node",

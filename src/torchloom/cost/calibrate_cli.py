@@ -45,7 +45,9 @@ def format_table(hw: Hardware) -> str:
     if hw.optimizer_tensor_s:
         per_elem = "  ".join(f"{int(n):,}: {v * 1e9:.2f}" for n, v in hw.optimizer_element_s)
         lines.append(f"  optimizer step (clip + AdamW): {hw.optimizer_tensor_s * 1e6:.2f} us per tensor; ns per "
-                     f"element by tensor size: {per_elem}")
+                     f"element by tensor size: {per_elem}"
+                     + (f"; {hw.optimizer_dtensor_s * 1e6:.2f} us per DTensor parameter (FSDP2 / TP)"
+                        if hw.optimizer_dtensor_s else ""))
     if hw.intra:
         sizes = sorted({b for fits in hw.intra.values() for f in fits.values() for b, _ in f.points})
         head = "".join(f"{_size(s):>10}" for s in sizes)

@@ -144,6 +144,8 @@ class Effects:
         grads_persistent: the gradients stay allocated across steps (counted in the backward peak).
         fused: the repeated blocks run with their non-matmul op chains fused (``torch.compile`` with a fusing
             backend): priced by ``PassCost.fused_bytes`` and ``fused_kernels``.
+        dtensor_params: the method turns the parameters into DTensors (FSDP2, tensor parallelism): the
+            optimizer's host work per tensor is ``Hardware.optimizer_dtensor_s``.
         grads_unsharded_accum: bytes per rank of the gradients while micro-batches accumulate without a
             reduction (FSDP2 keeps them unsharded): with ``grad_accum > 1`` the grads category is at least this.
         group_memory_scale: ``{group: {category: multiplier}}`` for a parameter group's share of
@@ -165,6 +167,7 @@ class Effects:
     time_add: dict[str, float] = field(default_factory=dict)
     grads_persistent: bool = False
     fused: bool = False
+    dtensor_params: bool = False
     grads_unsharded_accum: float = 0.0
     group_memory_scale: dict[str, dict[str, float]] = field(default_factory=dict)
     collectives: list[Collective] = field(default_factory=list)

@@ -55,6 +55,9 @@ class Hardware:
         matmul_flops: achieved dense matmul FLOP/s per rank by dtype name, as ``(gemm_flops, flop_per_s)``
             points by GEMM size (FLOPs of one GEMM) — small GEMMs reach less. Measured **with all
             ``ranks_per_node`` ranks computing at once** (co-located ranks share cores).
+        backward_gemm_factor: by dtype, the backward's weight GEMMs' time against the forward layout's at the
+            same FLOPs (input gradient ``dY @ W`` and weight gradient ``dY^T @ X`` vs ``X @ W^T``); absent: 1.
+            Measured: ~1 for fp32 and on GPUs, ~3 for bf16 on CPUs without native bf16.
         peak_flops: datasheet (or measured-maximum on CPU) dense FLOP/s per rank by dtype (what MFU divides by).
         mem_bw: achieved memory bandwidth per rank in bytes/s (all ranks streaming at once).
         op_overhead_s: fixed cost per dispatched op (eager-mode launch/dispatch), seconds: a bare loop of tiny
@@ -66,6 +69,16 @@ class Hardware:
         optimizer_tensor_s: host seconds per parameter tensor of gradient clipping + an AdamW step (the device's
             default implementation: a per-tensor loop on CPU, multi-tensor kernels on CUDA); 0: unknown (not
             priced).
+        optimizer_dtensor_s: the same per DTensor parameter (FSDP2 shards, tensor-parallel weights: DTensor
+            dispatch of every optimizer op and the norm's reduction); 0: unknown, ``optimizer_tensor_s`` is used.
+        fsdp_unit_s / fsdp_tensor_s / fsdp_unit_reduce_s: FSDP2's own host seconds beside its collectives
+            per ``fully_shard`` unit and per parameter tensor of a unit for the forward + backward of a
+            micro-batch, and extra per unit when that backward reduces the gradients (hooks, flat-buffer copies,
+            DTensor views, waits; :func:`~torchloom.cost.eager_overhead.fsdp_unit_seconds`); 0: unknown (the
+            FSDP estimate then assumes a dozen bare dispatches per unit).
+        train_step_call_s: seconds per micro-batch of torchloom's ``TrainStep`` around the model (input
+            preparation, loss bookkeeping and its dp all-reduce, accumulation scaling, zeroing; measured against
+            the same work run bare: :func:`~torchloom.cost.eager_overhead.train_step_seconds`); 0: unknown.
         optimizer_element_s: seconds per parameter element of the same step by tensor size, ``[(elements per
             tensor, s)]``, all ranks at once (what the default implementation's passes over memory cost, from
             cache for small tensors); empty: unknown, the cost model prices a fused Adam's traffic at ``mem_bw``.
@@ -98,6 +111,11 @@ class Hardware:
     op_overhead_s: float = 0.0
     eager_op_overhead_s: dict[str, float] = field(default_factory=dict)
     optimizer_tensor_s: float = 0.0
+    optimizer_dtensor_s: float = 0.0
+    fsdp_unit_s: float = 0.0
+    fsdp_tensor_s: float = 0.0
+    fsdp_unit_reduce_s: float = 0.0
+    train_step_call_s: float = 0.0
     optimizer_element_s: list[tuple[float, float]] = field(default_factory=list)
     intra: dict[str, dict[int, CollectiveFit]] = field(default_factory=dict)
     inter_bw: float = 0.0
@@ -109,6 +127,7 @@ class Hardware:
     provisional: bool = False
     attention_flops: dict[str, list[float]] = field(default_factory=dict)
     attention_kernel: str = ""
+    backward_gemm_factor: dict[str, float] = field(default_factory=dict)
 
     # -- queries used by the cost model -------------------------------------------------------------
     @property

@@ -105,6 +105,28 @@ def matmul_rates(timer: Timer, dtype: torch.dtype, sizes, target_s: float) -> li
     return out
 
 
+#: the square size the backward's GEMM layouts are compared at (``backward_gemm_factor``)
+BACKWARD_LAYOUT_N = {"cpu": 256, "cuda": 4096}
+
+
+def backward_gemm_factor(timer: Timer, dtype: torch.dtype, n: int, target_s: float) -> float:
+    """How much longer a ``Linear``'s backward GEMMs take than the forward's at the same FLOPs:
+    ``(t(dY @ W) + t(dY^T @ X)) / (2 t(X @ W^T))`` for ``n x n`` operands (the input gradient multiplies by the
+    weight as stored, a plain ``a @ b``; the weight gradient by a transposed left operand). 1 where the library
+    treats the layouts alike (cuBLAS; fp32 on CPU); on CPUs without native bf16 the plain layout runs ~6x
+    slower than the packed ``x @ W^T`` path (measured on the build machine's AMD EPYC, one thread, bf16: 1.1,
+    20 and 6-9 GFLOP/s for input gradient, weight gradient and forward): the backward then costs ~3x the
+    forward's GEMM time per FLOP, which the forward-layout sweep alone (``matmul_rates``) cannot see."""
+    x = torch.randn(n, n, device=timer.device).to(dtype)
+    w = torch.randn(n, n, device=timer.device).to(dtype)
+    dy = torch.randn(n, n, device=timer.device).to(dtype)
+    c = torch.empty(n, n, device=timer.device, dtype=dtype)
+    t = [timer.per_call(fn, target_s / 3, samples=MATMUL_SAMPLES)
+         for fn in (lambda: torch.mm(x, w.t(), out=c), lambda: torch.mm(dy, w, out=c),
+                    lambda: torch.mm(dy.t(), x, out=c))]
+    return (t[1] + t[2]) / (2 * t[0]) if t[0] > 0 else 1.0
+
+
 PROBE_N = {"cpu": 512, "cuda": 4096}  # the re-check probe's GEMM: ~10 ms on a CPU core, ~0.2 ms on a GPU
 PROBE_S = 0.3  # the re-check probe's duration (and the load window around it): /proc/stat ticks are 10 ms
 _mm = torch.mm  # every probe GEMM calls this (tests count and pace the calls)

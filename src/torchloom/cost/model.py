@@ -146,7 +146,11 @@ def predict(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence[
             time[key] = time.get(key, 0.0) + r["exposed_s"]
 
     # -- optimizer step: memory-bound traffic over the rank's updated elements ----------------------------
-    time["optimizer"] = _optimizer_time(mem, step, hw, _rank_tensors(info, loads), info)
+    time["optimizer"] = _optimizer_time(mem, step, hw, _rank_tensors(info, loads), info, c.dtensor_params)
+    if hw.train_step_call_s:  # TrainStep's own work around each call (calibrated; host time); pipelined, one
+        # call runs the schedule's micro-batches
+        calls = accum if pipeline is None else max(1, accum // max(pipeline.microbatches, 1))
+        time["train_step"] = calls * hw.train_step_call_s
     time.update(time_add)
 
     # -- memory peak -------------------------------------------------------------------------------
@@ -219,7 +223,7 @@ def compose(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence[
     time_add: dict[str, float] = {}
     collectives: list[tuple[str, Collective]] = []
     pipeline: PipelineShape | None = None
-    grads_persistent, unsharded_grads, fused = False, 0.0, False
+    grads_persistent, unsharded_grads, fused, dtensor = False, 0.0, False, False
     for e, dp_method in zip(effects, data_parallel):
         # only the categories the Effects names (x 1.0 + 0.0 leaves the others as they are)
         own = e.group_memory_scale.get("expert", {})
@@ -246,6 +250,7 @@ def compose(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence[
         collectives += [(e.method, c) for c in e.collectives]
         grads_persistent |= e.grads_persistent
         fused |= e.fused
+        dtensor |= e.dtensor_params
         unsharded_grads = max(unsharded_grads, e.grads_unsharded_accum)
         if e.pipeline is not None:
             pipeline = e.pipeline
@@ -260,7 +265,7 @@ def compose(cand: "Candidate", info: ModelInfo, hw: Hardware, methods: Sequence[
                     scale_tokens=scale_tokens, matmul_scale=mm, other_scale=other, ops_scale=ops_scale,
                     ops_add=ops_add, recompute=recompute, recompute_matmul_share=matmul_share, time_add=time_add, collectives=collectives,
                     pipeline=pipeline, grads_persistent=grads_persistent, unsharded_grads=unsharded_grads,
-                    fused=fused)
+                    fused=fused, dtensor_params=dtensor)
 
 # -- baseline ----------------------------------------------------------------------------------------
 class _Baseline:
@@ -367,13 +372,18 @@ def _pass_time(cache: dict, key, pc: PassCost, mb: float, dtype: str, hw: Hardwa
         return t
     t, listed = 0.0, 0.0
     attn_rate = hw.attention_rate(dtype, backward)
+    # the backward's weight GEMMs run other layouts than the forward's (input / weight gradient): their
+    # measured slowdown where the library treats the layouts differently (bf16 on CPU)
+    layout = hw.backward_gemm_factor.get(gemm_dtype, 1.0) if backward else 1.0
     for g in pc.matmuls:
         one = 2.0 * g.m * mb * g.n * g.k * mm
         if one > 0:
             if g.attention and attn_rate:
                 t += g.count * one * g.share / attn_rate
+            elif g.attention:
+                t += g.count * one * g.share / hw.matmul_rate(dtype, one)
             else:
-                t += g.count * one * g.share / hw.matmul_rate(dtype if g.attention else gemm_dtype, one)
+                t += g.count * one * g.share * layout / hw.matmul_rate(gemm_dtype, one)
         listed += g.flops
     rest = (pc.matmul_flops - listed) * mb * mm  # FLOPs without shapes: the largest listed rate
     if rest > 0:
@@ -391,15 +401,17 @@ def _pass_time(cache: dict, key, pc: PassCost, mb: float, dtype: str, hw: Hardwa
 
 
 def _optimizer_time(mem: dict[str, float], step: StepShape, hw: Hardware, tensors: float = 0.0,
-                    info: ModelInfo | None = None) -> float:
+                    info: ModelInfo | None = None, dtensor: bool = False) -> float:
     """Adam over the rank's updated elements (optimizer bytes / two states): at the calibrated seconds per element
     of PyTorch's default implementation (``hw.optimizer_element_s``, measured; scaled by the state's bytes
     against fp32) where known, else a fused kernel's traffic at ``hw.mem_bw`` (the GPU tables: production runs
     use fused Adam); plus its host work per parameter tensor (``hw.optimizer_tensor_s`` x ``tensors``:
-    dominant for small models on CPU, where PyTorch's AdamW loops over the tensors in Python)."""
+    dominant for small models on CPU, where PyTorch's AdamW loops over the tensors in Python; with ``dtensor``
+    parameters, FSDP2's and TP's, ``hw.optimizer_dtensor_s`` where calibrated: every op is a DTensor dispatch)."""
     sb = DTYPE_BYTES.get(step.param_dtype, 4)
     elems = mem["optimizer"] / (2 * sb)
-    host = tensors * hw.optimizer_tensor_s
+    per_tensor = hw.optimizer_dtensor_s if dtensor and hw.optimizer_dtensor_s else hw.optimizer_tensor_s
+    host = tensors * per_tensor
     if hw.optimizer_element_s and info is not None:
         return _measured_optimizer_seconds(info, elems, hw) * sb / 4 + host
     traffic = elems * (_ADAM_PARAM_RW * sb + _ADAM_GRAD_R * sb + _ADAM_STATE_RW * sb)

@@ -137,13 +137,19 @@ class FSDP(Method):
         # for its backward, and the root; ZeRO-2 every block of the rank. The forward's current + prefetched
         # pair and the backward's unsharded block gradient come when fewer activations are alive.
         gathered = (min(nb, 1) if zero3 else nb) * block * cd
-        e = Effects(self.name, memory_scale={k: 1.0 / n for k in ("params", "grads", "optimizer")},
-                    ops_add=_FSDP_OPS_PER_UNIT)
-        e.memory_add["temporary"] = gathered + rest * cd
         accum = step.grad_accum
         # accumulating unsharded: the micro-batches before the last keep a whole gradient per rank; sharded:
         # every micro-batch reduce-scatters (accum x the calls), the shards accumulate
         sharded_accum = c.accumulate_sharded and accum > 1
+        # FSDP2's own work: each block unit and the root (its share spread over the rank's blocks)
+        reducing = (accum if sharded_accum else 1) / accum
+        block_tensors, rest_tensors = _unit_tensors(info)
+        unit_ops = _unit_ops(hw, n * r, reducing, block_tensors)
+        if _calibrated(hw, n * r):  # (the uncalibrated dozen dispatches count the blocks' units only)
+            unit_ops += _unit_ops(hw, n * r, reducing, rest_tensors) / max(nb, 1)
+        e = Effects(self.name, memory_scale={k: 1.0 / n for k in ("params", "grads", "optimizer")},
+                    ops_add=unit_ops, dtensor_params=True)
+        e.memory_add["temporary"] = gathered + rest * cd
         e.grads_unsharded_accum = 0.0 if sharded_accum else total * rd
         rs_calls = accum if sharded_accum else 1
         # forward passes that find the units sharded: every micro-batch's, except under pipeline parallelism:
@@ -168,7 +174,7 @@ class FSDP(Method):
                                             calls=rs_calls * (nb + 1), overlap="backward", exposed_calls=rs_calls,
                                             label="fsdp.all_reduce_replicate"))
         if ex is not None:
-            _price_expert_units(e, ex, dims, nb, cd, rd, accum, zero3, rs_calls)
+            _price_expert_units(e, ex, dims, nb, cd, rd, accum, zero3, rs_calls, hw)
         if c.cpu_offload:
             if hw.device_type == "cpu":
                 e.notes.append("cpu_offload on a CPU device: state already in host memory, nothing moves")
@@ -259,7 +265,10 @@ class FSDP(Method):
         hsdp = f"HSDP {ctx.mesh.dims.dp_replicate}x{ctx.mesh.dims.dp_shard}" if ctx.mesh.dims.dp_replicate > 1 \
             else f"dp_shard={ctx.mesh.dims.dp_shard}"
         ctx.note(f"fsdp: {mode}, {hsdp}, {_units_note(len(units), ctx.block_classes)}"
-                 + (", CPU offload" if c.cpu_offload else "") + (f", tied groups {shared}" if shared else "")
+                 + (", CPU offload" if c.cpu_offload else "")
+                 + (", gradients reduce-scattered every micro-batch (accumulate_sharded)" if c.accumulate_sharded
+                    else "")
+                 + (f", tied groups {shared}" if shared else "")
                  + (f", {norms_kept} BatchNorm-like units in fp32" if norms_kept else "")
                  + (f", {expert_units} experts units on edp={ctx.mesh.dims.edp} (gradients / dp={ctx.mesh.dims.dp})"
                     if expert_units else ""))
@@ -278,8 +287,34 @@ def _units_note(n_units: int, block_classes: list[str]) -> str:
             "it per module, name the classes: {'fsdp': {'wrap_cls': ['MyBlock']}}")
 
 
-#: extra dispatched ops per FSDP unit per forward (pre/post hooks, copy-in/out, views), CPU eager
+#: extra dispatched ops per FSDP unit per forward (pre/post hooks, copy-in/out, views) when the calibration has
+#: no measured ``fsdp_unit_s`` (the GPU tables)
 _FSDP_OPS_PER_UNIT = 12.0
+
+
+def _unit_tensors(info) -> tuple[float, float]:
+    """Parameter tensors of one block unit and of the root unit (the analysis' ``PartInfo.tensors``)."""
+    block = next((p.tensors for p in info.parts if p.name != "rest"), 0)
+    rest = sum(p.tensors for p in info.parts if p.name == "rest")
+    return float(block), float(rest)
+
+
+def _calibrated(hw, ranks: int) -> bool:
+    """Whether ``hw`` measured FSDP2's own work per unit (and there is a collective to wait on)."""
+    return ranks > 1 and hw.fsdp_unit_s > 0 and hw.op_overhead_s > 0
+
+
+def _unit_ops(hw, ranks: int, reducing: float, tensors: float = 0.0) -> float:
+    """FSDP2's own work per unit of ``tensors`` parameter tensors per forward, in bare dispatches
+    (``Effects.ops_add``: the backward counts twice): the calibrated ``hw.fsdp_unit_s + tensors x
+    hw.fsdp_tensor_s`` per forward + backward, plus ``fsdp_unit_reduce_s`` on the share ``reducing`` of
+    micro-batches whose backward reduce-scatters, spread 1:2 over forward and backward;
+    :data:`_FSDP_OPS_PER_UNIT` when not calibrated or over one rank (no collective to wait on)."""
+    if _calibrated(hw, ranks):
+        seconds = hw.fsdp_unit_s + tensors * hw.fsdp_tensor_s + reducing * hw.fsdp_unit_reduce_s
+        return seconds / (3 * hw.op_overhead_s)
+    return _FSDP_OPS_PER_UNIT
+
 
 #: host<->device bandwidth for CPU offload when the hardware does not give one: PCIe Gen4 x16 achieved
 #: (~25 GB/s of the 32 GB/s raw; PCI-SIG PCIe 4.0 specification), bytes/s
@@ -320,7 +355,7 @@ def _check_accumulate_sharded(strategy) -> None:
 
 
 def _price_expert_units(e, ex: _ExpertUnits, dims, nb: int, cd: int, rd: int, accum: int,
-                        zero3: bool, rs_calls: int = 1) -> None:
+                        zero3: bool, rs_calls: int = 1, hw=None) -> None:
     """Add the experts units to FSDP's ``Effects`` ``e``: each is sharded over the whole ``edp`` (the 1-D
     ``mesh["edp"]``, whatever ``dp_replicate``/``dp_shard`` are), so its parameters, gradients and Adam state
     are ``1/edp`` of the rank's ``1/ep`` (``group_memory_scale``, not the dense ``1/dp_shard``); per micro-
@@ -338,7 +373,8 @@ def _price_expert_units(e, ex: _ExpertUnits, dims, nb: int, cd: int, rd: int, ac
     unit = ex.elements / layers if layers else 0.0
     e.memory_add["temporary"] += (min(layers, 1) * unit if zero3 else ex.elements) * cd
     if nb:  # the experts units' hooks and copies, spread over the rank's block instances
-        e.ops_add += _FSDP_OPS_PER_UNIT * layers / nb
+        unit_ops = _unit_ops(hw, dims.edp, rs_calls / accum) if hw is not None else _FSDP_OPS_PER_UNIT
+        e.ops_add += unit_ops * layers / nb
     if edp <= 1 or unit <= 0:
         e.notes.append("experts units on edp=1: no communication for the experts")
         return

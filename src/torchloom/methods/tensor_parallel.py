@@ -119,7 +119,7 @@ class TensorParallel(Method):
         blocks, rest = activation_bytes(info, step)
         rest_scale = 1.0 / t if lp else 1.0
         e = Effects(self.name, matmul_scale=1.0 / t, other_scale=1.0 / t if sp else 0.3 + 0.7 / t,
-                    memory_scale={"params": 1.0 / t, "grads": 1.0 / t, "optimizer": 1.0 / t})
+                    memory_scale={"params": 1.0 / t, "grads": 1.0 / t, "optimizer": 1.0 / t}, dtensor_params=True)
         if blocks + rest > 0:
             e.memory_scale["activations"] = (blocks * blk + rest * rest_scale) / (blocks + rest)
         # transients: a block's (its widest intermediate is column-sharded) and the loss's (the logits and their

@@ -65,8 +65,10 @@ class Candidate:
         for n, c in self.methods:
             if n == "fsdp":
                 zero = "zero2" if c.get("reshard_after_forward") is False else "zero3"
-                # /rs: reduce-scatter every micro-batch, gradients kept sharded (accumulate_sharded)
-                parts.append(zero + ("/rs" if c.get("accumulate_sharded") else ""))
+                # /rs: reduce-scatter every micro-batch, gradients kept sharded (accumulate_sharded); with one
+                # micro-batch per step it changes nothing, so the label does not claim it
+                sharded = c.get("accumulate_sharded") and self.grad_accum > 1
+                parts.append(zero + ("/rs" if sharded else ""))
                 if c.get("cpu_offload"):
                     parts.append("offload")
             elif n == "amp":

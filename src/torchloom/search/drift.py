@@ -26,13 +26,17 @@ from collections import deque
 from typing import Any, Callable
 
 
-STEP_TIME_BAND = 0.20
-"""The published error band of a local step-time prediction, as a fraction of the prediction. Source: the
-planner's accuracy targets (docs/search_accuracy.md, benchmarks/results/search_accuracy.json; issue [12]:
-step-time error median <= 5%, max <= 20%): a plan measured further off than the largest error the model is
-published to make is a finding, not noise. Its median measured error is larger today (docs/search_accuracy.md
-"Results"), so fp32 plans of small models may trip it."""
-BAND_SOURCE = "docs/search_accuracy.md (step-time error target: median <= 5%, max <= 20%)"
+STEP_TIME_BAND = 0.60
+"""The published error band of a local step-time prediction, as a fraction of the prediction: the largest
+step-time error the planner's accuracy benchmark measured (``benchmarks/search_accuracy.py``,
+``benchmarks/results/search_accuracy.json`` ``overall.time_max_ape``: 58.0% on 2026-12-05, 56 plans of two
+models on 2 and 4 processes), rounded up to 5 points. A plan measured further off than the largest error the
+model is published to make is a finding, not noise; a tighter band (the target, max <= 20%: issue [12]) warned
+on every small run while the model is not there, with advice (refresh the calibration) that could not help.
+``tests/unit/test_prediction_drift.py`` keeps it equal to the published figure: re-measuring the benchmark
+moves it."""
+BAND_SOURCE = ("benchmarks/results/search_accuracy.json (largest measured step-time error, rounded up to 5 "
+               "points; target max <= 20%)")
 WARMUP_STEPS = 3  # first optimizer steps left out: allocator, autotuning, lazy initialisation, first collectives
 WINDOW = 20  # the measured step time is the median of the last WINDOW steps after warm-up
 MIN_STEPS = 10  # steps after warm-up before drift is judged (and a warning can be given)
