@@ -30,9 +30,14 @@ FUSED_FRAMEWORKS = ("megatron", "nemo", "megatron-deepspeed", "deepspeed-megatro
 #: frameworks whose FSDP reduce-scatters the gradients after every micro-batch and accumulates the shards (no
 #: no_sync / set_requires_gradient_sync(False) in their training loops): torchtitan (train.py's micro-batch loop
 #: calls backward under FSDP2's defaults), llm-foundry/Composer and NeMo AutoModel (FSDP2, the same loop shape).
-#: torchloom's ``("fsdp", {"accumulate_sharded": True})``; Megatron's distributed optimizer keeps whole fp32
-#: main gradients instead (not listed)
-SHARDED_ACCUMULATION_FRAMEWORKS = ("torchtitan", "llm-foundry", "nemo-automodel")
+#: Megatron-Bridge's FSDP rows run Megatron-FSDP (``--use-megatron-fsdp``), whose recommended
+#: ``optim_grads_params`` strategy keeps the gradients sharded ("optimizer state, gradients, and training
+#: parameters are sharded": https://docs.nvidia.com/megatron-core/developer-guide/latest/apidocs/core/
+#: core.distributed.fsdp.src.megatron_fsdp.fully_shard.html, ShardingStrategy; flags:
+#: https://docs.nvidia.com/megatron-core/developer-guide/nightly/user-guide/features/custom_fsdp.html), so a
+#: micro-batch's gradients are reduce-scattered into the shards. torchloom's ``("fsdp", {"accumulate_sharded":
+#: True})``; Megatron's distributed optimizer (its non-FSDP rows) keeps whole fp32 main gradients instead.
+SHARDED_ACCUMULATION_FRAMEWORKS = ("torchtitan", "llm-foundry", "nemo-automodel", "megatron-bridge")
 #: accelerator names of the rows -> the planner's table (H800: an H100 SXM with 400 GB/s NVLink, patched below)
 GPU_ALIASES = {"h800": "h100-sxm", "gb200": "b200"}
 PRECISIONS = ("bf16", "fp16", "fp8")
