@@ -66,7 +66,12 @@ def test_one_warning_past_the_band_naming_both_numbers_and_the_fix():
     msg = said[0]
     assert "measured 150 ms" in msg and "predicted 100 ms" in msg and "+50%" in msg and "20%" in msg
     assert "dpr2 | ddp | mb8x1" in msg and "`loom calibrate --refresh --nproc 2`" in msg
-    assert "Slower than predicted" in msg
+    assert "Slower than predicted" in msg and "Known limits" not in msg  # calibration unknown: no verdict
+    # with a quiet calibration the message also says when the error is the model's own
+    quiet, said_quiet = _fed(0.1, [0.15] * 40, calibration="quiet")
+    assert "the error is the cost model's own" in said_quiet[0] and "Known limits" in said_quiet[0]
+    faster, said_faster = _fed(0.1, [0.05] * 40, calibration="quiet")
+    assert "Known limits" not in said_faster[0]
     # judged only once MIN_STEPS steps after warm-up were measured
     early, said_early = _fed(0.1, [0.15] * (WARMUP_STEPS + MIN_STEPS - 1))
     assert said_early == [] and early.measured_step_s is None

@@ -194,6 +194,10 @@ class PredictionDrift:
             cal = ""
         why = (" Slower than predicted: other processes may share the cores now, or the calibration is stale."
                if slower else " Faster than predicted: the calibration reads this machine low.")
+        if slower and self.calibration == "quiet":
+            why += (" If the machine is quiet and a refreshed calibration gives the same, the error is the cost "
+                    "model's own: tiny models whose steps are host work and collective latency are predicted too "
+                    "fast (docs/cost_model.md, \"Known limits\").")
         return (head + cal + why + f" Refresh the calibration on a quiet machine: `{self.refresh}` (plans, "
                 "strategy='auto' and this check use it).")
 
