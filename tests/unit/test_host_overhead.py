@@ -308,3 +308,15 @@ def test_backward_gemm_factor_compares_the_gradient_layouts_with_the_forward():
             fn()
             return next(seq)
     assert microbench.backward_gemm_factor(_Seq(0), torch.float32, 8, 0.0) == pytest.approx(3.0)
+
+
+def test_a_cached_calibration_with_a_bad_host_field_is_refused_not_priced():
+    """A torn or hand-edited cache (a string factor, a null or negative seconds) raises ValueError, which the
+    cache reader turns into a warning and a new measurement, instead of crashing or pricing nonsense."""
+    from torchloom.cost.hardware import Hardware
+    good = _cpu_hw(fsdp_unit_s=1e-3, backward_gemm_factor={"bfloat16": 3.0}).to_dict()
+    assert Hardware.from_dict(good).fsdp_unit_s == 1e-3
+    for k, v in (("backward_gemm_factor", "abc"), ("backward_gemm_factor", {"bfloat16": -1.0}),
+                 ("fsdp_unit_s", None), ("train_step_call_s", -1.0), ("optimizer_dtensor_s", float("nan"))):
+        with pytest.raises(ValueError, match=k):
+            Hardware.from_dict({**good, k: v})

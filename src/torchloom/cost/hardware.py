@@ -206,7 +206,21 @@ class Hardware:
                       for k, v in (d.get("intra") or {}).items()}
         d["matmul_flops"] = {k: [tuple(p) for p in v] for k, v in (d.get("matmul_flops") or {}).items()}
         d["optimizer_element_s"] = [tuple(p) for p in d.get("optimizer_element_s") or ()]
+        for k in _HOST_SECONDS:  # a bad value in a hand-edited or torn cache: ValueError (the cache re-measures)
+            v = d.get(k, 0.0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"hardware field {k} must be a finite number >= 0 (seconds), got {v!r}")
+        factors = d.get("backward_gemm_factor") or {}
+        if not isinstance(factors, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                for v in factors.values()):
+            raise ValueError(f"hardware field backward_gemm_factor must map dtypes to numbers > 0, got {factors!r}")
         return cls(**d)
+
+
+#: calibrated host seconds that must be finite and >= 0 (0 = not measured)
+_HOST_SECONDS = ("optimizer_tensor_s", "optimizer_dtensor_s", "fsdp_unit_s", "fsdp_tensor_s", "fsdp_unit_reduce_s",
+                 "train_step_call_s")
 
 
 def _log_interp(pts, x: float) -> float:
