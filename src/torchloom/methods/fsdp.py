@@ -141,8 +141,9 @@ class FSDP(Method):
         # accumulating unsharded: the micro-batches before the last keep a whole gradient per rank; sharded:
         # every micro-batch reduce-scatters (accum x the calls), the shards accumulate
         sharded_accum = c.accumulate_sharded and accum > 1
+        rs_calls = accum if sharded_accum else 1
         # FSDP2's own work: each block unit and the root (its share spread over the rank's blocks)
-        reducing = (accum if sharded_accum else 1) / accum
+        reducing = rs_calls / accum
         block_tensors, rest_tensors = _unit_tensors(info)
         unit_ops = _unit_ops(hw, n * r, reducing, block_tensors)
         if _calibrated(hw, n * r):  # (the uncalibrated dozen dispatches count the blocks' units only)
@@ -151,7 +152,6 @@ class FSDP(Method):
                     ops_add=unit_ops, dtensor_params=True)
         e.memory_add["temporary"] = gathered + rest * cd
         e.grads_unsharded_accum = 0.0 if sharded_accum else total * rd
-        rs_calls = accum if sharded_accum else 1
         # forward passes that find the units sharded: every micro-batch's, except under pipeline parallelism:
         # torch.distributed.pipelining turns off resharding after backward until the step's last one
         # (stage.backward_maybe_with_nosync), so ZeRO-2 gathers once per step and ZeRO-3 only in the
