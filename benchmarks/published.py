@@ -61,8 +61,10 @@ class PublishedRun:
     activation_checkpointing: str | None = None
     compile: bool | None = None
     fp8_recipe: str | None = None
+    fp8_param_gather: bool | None = None  # FP8 weights gathered and held unsharded (Megatron's fp8_param_gather)
     notes: str = ""
     kernels: str | None = None  # "fused" / "eager"; None: from the source's framework
+    loss_kernel: str | None = None  # "fused" / "eager"; None: from the source's framework (see fused_loss)
 
     # -- derived -----------------------------------------------------------------------------------------
     @property
@@ -80,8 +82,25 @@ class PublishedRun:
     def fused(self) -> bool:
         if self.kernels is not None:
             return self.kernels == "fused"
-        if self.compile:
-            return True
+        return bool(self.compile) or self.transformer_engine
+
+    @property
+    def fused_loss(self) -> bool:
+        """The run's cross-entropy is one fused kernel (the logits kept in bf16, their gradient written once):
+        llm-foundry's MPT (``loss_fn`` defaults to ``fused_crossentropy``, flash-attn's ``CrossEntropyLoss``:
+        llmfoundry/models/mpt/modeling_mpt.py) and torchtitan since ``training.compile`` compiled the loss too
+        (torchtitan/components/loss.py ``build_cross_entropy_loss`` from 2025-02; its 2024 tables ran it eager:
+        train.py at 9dec370 has the loss compile commented out). The row's ``loss_kernel`` overrides this."""
+        if self.loss_kernel is not None:
+            return self.loss_kernel == "fused"
+        framework = str(self.source.get("framework", "")).lower()
+        return framework == "llm-foundry"
+
+    @property
+    def transformer_engine(self) -> bool:
+        """The run's framework builds its layers from Transformer Engine / Apex (Megatron, NeMo, MLPerf)."""
+        if self.kernels == "eager":
+            return False
         name = f"{self.source.get('name', '')} {self.source.get('framework', '')}".lower()
         return any(f in name for f in FUSED_FRAMEWORKS)
 
@@ -119,6 +138,9 @@ def parse_run(row: dict[str, Any]) -> PublishedRun:
     if run.activation_checkpointing not in AC_MODES:
         raise PublishedRunError(f"published run {rid!r}: activation_checkpointing {run.activation_checkpointing!r} "
                                 f"is not one of {AC_MODES}.")
+    for key in ("kernels", "loss_kernel"):
+        if getattr(run, key) not in (None, "fused", "eager"):
+            raise PublishedRunError(f"published run {rid!r}: {key} {getattr(run, key)!r} is not 'fused' or 'eager'.")
     for key in ("gpu", "gpus"):
         _need(run.hardware, key, rid)
     for key in ("seq_len", "global_batch"):
@@ -253,7 +275,15 @@ def strategy_methods(run: PublishedRun) -> list[tuple[str, dict[str, Any]]]:
     elif d["dp"] > 1:
         out.append(("ddp", {}))
     if run.precision == "fp8":
-        out += [("amp", {"dtype": "bfloat16"}), ("float8", {"recipe": run.fp8_recipe or "tensorwise"})]
+        # Transformer Engine's FP8 Linear layers keep the FP8-cast input for backward (torchao's keep bf16)
+        fp8 = {"recipe": run.fp8_recipe or "tensorwise"}
+        if run.transformer_engine:
+            fp8["save_fp8_inputs"] = True
+        # Megatron-Bridge's FP8 recipes (megatron/bridge/training/mixed_precision.py: delayed, current scaling,
+        # MXFP8) set fp8_param_gather=True: FP8 model weights, gathered in FP8 (torchao's FSDP float8 all-gather)
+        if run.fp8_param_gather:
+            fp8["fsdp_float8_all_gather"] = True
+        out += [("amp", {"dtype": "bfloat16"}), ("float8", fp8)]
     else:
         out.append(("amp", {"dtype": "bfloat16" if run.precision == "bf16" else "float16"}))
     ac = run.activation_checkpointing
@@ -261,8 +291,9 @@ def strategy_methods(run: PublishedRun) -> list[tuple[str, dict[str, Any]]]:
         out.append(("checkpoint", {}))
     elif ac == "selective":
         out.append(("checkpoint", {"mode": "selective"}))
-    if run.fused:
-        out.append(("compile", {}))
+    components = (["model"] if run.fused else []) + (["loss"] if run.fused_loss else [])
+    if components:
+        out.append(("compile", {"components": components} if components != ["model"] else {}))
     return out
 
 

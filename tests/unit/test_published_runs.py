@@ -57,6 +57,7 @@ def test_megatron_tflops_convert_with_their_own_flop_count():
     (lambda r: r.update(published={"memory_gib": 80}), "no published throughput"),
     (lambda r: r.update(source={"name": "x"}), "needs a url"),
     (lambda r: r.update(activation_checkpointing="some"), "activation_checkpointing 'some'"),
+    (lambda r: r.update(loss_kernel="chunked"), "loss_kernel 'chunked'"),
 ])
 def test_a_malformed_row_is_refused_by_name(tmp_path, mutate, match):
     rows = _rows()
@@ -86,3 +87,21 @@ def test_the_shipped_set_is_broad_enough():
     sizes = [float(r.model.get("params_b") or 0) for r in runs if not r.model.get("moe")]
     assert min(sizes) <= 3 and max(sizes) >= 175
     assert len({r.source["name"] for r in runs}) >= 4
+
+
+def test_each_framework_prices_the_kernels_it_ran():
+    """Transformer Engine FP8 rows (Megatron-Bridge) keep FP8 GEMM inputs and gather FP8 weights
+    (fp8_param_gather); torchtitan's float8 is torchao (bf16 inputs); torchtitan's 2025 rows compiled the loss
+    with the model, its 2024 rows did not; llm-foundry's MPT runs flash-attn's fused cross-entropy with eager
+    blocks."""
+    runs = {r.id: r for r in P.load_runs()}
+
+    def methods(rid):
+        return dict(P.candidate(runs[rid]).methods)
+
+    mb = methods("mbridge2511-llama3-70b-64xh100-fp8cs")["float8"]
+    assert mb["save_fp8_inputs"] and mb["fsdp_float8_all_gather"]
+    assert "save_fp8_inputs" not in methods("tt-llama31-8b-fsdp-compile-float8-8xh100")["float8"]
+    assert methods("tt-trainy-llama31-8b-fsdp-32xh200-float8")["compile"] == {"components": ["model", "loss"]}
+    assert methods("tt-llama31-8b-fsdp-compile-8xh100-bf16")["compile"] == {}
+    assert methods("mpt-7b-a100-40gb-128gpu")["compile"] == {"components": ["loss"]}

@@ -224,6 +224,7 @@ class _Analysis:
         self.sample_input, self.input_format, self.loss_func = sample_input, input_format, loss_func
         self.block_classes = block_classes
         self.notes: list[str] = []
+        self.samples = 1  # samples per traced batch (the rest is traced at 1 and 2: see _trace_rest)
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -326,7 +327,7 @@ class _Analysis:
             # called as a training loop calls it (use_cache left at its default: with use_cache=False
             # transformers sees fake tensors as tracing and builds an explicit causal mask, which the real run
             # does not; the blocks are traced without the cache object)
-            ids = torch.zeros(1, self.seq_len, dtype=torch.long)
+            ids = torch.zeros(self.samples, self.seq_len, dtype=torch.long)
             batch = {"input_ids": ids, "labels": ids}
             return batch, (), batch
         batch = self._fake_batch(self.sample_input)
@@ -349,10 +350,12 @@ class _Analysis:
             self._note(f"sample_input has batch size {next(iter(sizes))}: analysed its first sample "
                        "(every quantity is per sample).")
 
+        batched = len(sizes) == 1  # one leading size: the batch dimension
+
         def fake(t):
             if not isinstance(t, torch.Tensor):
                 return t
-            shape = (1, *t.shape[1:]) if cut and t.dim() > 0 else t.shape
+            shape = (self.samples, *t.shape[1:]) if batched and t.dim() > 0 else t.shape
             f = torch.empty(shape, dtype=t.dtype, device="cpu")
             return f.requires_grad_(t.requires_grad) if t.requires_grad else f
 
@@ -456,8 +459,10 @@ class _Analysis:
                 if not isinstance(leaf, torch.Tensor):
                     out.append(leaf)
                     continue
-                match = next((t for t in inputs if t.shape == leaf.shape and t.dtype == leaf.dtype), None)
-                out.append(match if match is not None else torch.zeros(leaf.shape, dtype=leaf.dtype))
+                # the template was recorded on one sample: a batch of several gives outputs of that many
+                shape = (self.samples, *leaf.shape[1:]) if leaf.dim() and leaf.shape[0] == 1 else leaf.shape
+                match = next((t for t in inputs if t.shape == shape and t.dtype == leaf.dtype), None)
+                out.append(match if match is not None else torch.zeros(shape, dtype=leaf.dtype))
             return tree_unflatten(out, spec)
 
         return forward
@@ -495,6 +500,7 @@ class _Analysis:
             out_bytes = sum(t.untyped_storage().nbytes() for t in outs if storage_key(t) not in rec.saved)
             rec.end_forward(tree_flatten(out)[0])
             fused_drop = rec.chain_internal_saved_bytes()
+            fp8_drop = rec.weight_gemm_input_saving(outs)
             self._backward(rec, outs)
             del out, outs
             shared = sum(b for k, b in rec.saved.items() if k in other_in)  # e.g. rotary cos/sin of every block
@@ -505,7 +511,8 @@ class _Analysis:
             peak = rec.peak_allocated(grads) - created_saved - out_bytes
             _clear_grads(run_state.values())
             return dict(rec=rec, act=act, shared=shared, peak=max(0.0, peak), input=float(sum(grad_in.values())),
-                        weights=sum(rec.derived_saved.values()), act_fused=max(0.0, act - fused_drop))
+                        weights=sum(rec.derived_saved.values()), act_fused=max(0.0, act - fused_drop),
+                        fp8_drop=fp8_drop)
 
         for precision in ("float32", "bfloat16", PARAMS_BF16):
             if precision != PARAMS_BF16:
@@ -528,18 +535,26 @@ class _Analysis:
             act_bytes={k: float(v["act"]) for k, v in res.items()}, input_bytes=fp["input"],
             peak_extra_bytes=fp["peak"], autocast_weight_bytes=float(res["bfloat16"]["weights"]),
             act_bytes_fused={k: float(v["act_fused"]) for k, v in res.items()},
+            fp8_input_saving={k: float(v["fp8_drop"]) for k, v in res.items()},
+            peak_extra={k: float(v["peak"]) for k, v in res.items()},
             tensors=sum(1 for p in params if p.requires_grad),
         )
 
     def _trace_rest(self, groups: list[_Group], rest_params: list[nn.Parameter]) -> PartInfo:
         stubs = {id(m): (m, self._passthrough(g)) for g in groups for m in g.modules}
         state_list = list({id(t): t for t in self.fake.values()}.values())
-        res = {}
-        for precision in ("float32", "bfloat16"):
+        res, fused = {}, {}
+        fusable = self._fusable_loss()
+
+        def trace(precision, fused_loss=False, samples=1):
+            self.samples = samples
             rec = OpRecorder(state_list)
-            with rec, rec.saving(), _autocast(precision), self._kernels():
-                batch, out = self._run_model(stubs)
-                loss = self._loss(batch, out)
+            try:
+                with rec, rec.saving(), _autocast(precision), self._kernels(), _loss_kernel(self.model, fused_loss):
+                    batch, out = self._run_model(stubs)
+                    loss = self._loss(batch, out)
+            finally:
+                self.samples = 1
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError(f"the loss must be a scalar tensor, got {type(loss).__name__}"
                                  f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}.")
@@ -549,10 +564,29 @@ class _Analysis:
             grads = rec.alive_serials(t.grad for t in state_list if t.grad is not None)
             # block inputs every instance saves but the rest computes once (rotary cos/sin, masks)
             shared = max((g.traced[precision]["shared"] for g in groups), default=0)
-            act = sum(rec.saved.values()) + shared
+            act = sum(rec.saved.values()) + shared * samples
             peak = rec.peak_allocated(grads) - sum(rec.saved.values())
-            res[precision] = dict(rec=rec, act=act, peak=max(0.0, peak), weights=sum(rec.derived_saved.values()))
             _clear_grads(state_list)
+            return dict(rec=rec, act=act, peak=max(0.0, peak), weights=sum(rec.derived_saved.values()),
+                        curve=rec.live_curve(grads), saved=sum(rec.saved.values()))
+
+        def traced(precision, fused_loss=False):
+            """The one-sample trace and the lines of its transient in the batch size: the rest's transient
+            mixes per-token tensors (logits and their gradient) with state-sized ones (the head's and the tied
+            embedding's weight gradients before they accumulate), and which moment is the peak depends on the
+            micro-batch. Traced at 2 and 3 samples: every moment's live bytes is a line in the batch size."""
+            one = trace(precision, fused_loss)
+            one["lines"] = []
+            if two_point:
+                one["lines"] = _peak_lines(trace(precision, fused_loss, samples=2),
+                                           trace(precision, fused_loss, samples=3))
+            return one
+
+        two_point = self._batched()
+        for precision in ("float32", "bfloat16"):
+            res[precision] = traced(precision)
+            if fusable:
+                fused[precision] = traced(precision, fused_loss=True)
         rec = res["float32"]["rec"]
         if rec.unshaped_flops() or any(g.traced["float32"]["rec"].unshaped_flops() for g in groups):
             self._note("some FLOPs come from ops without a GEMM shape rule (counted in matmul_flops only).")
@@ -564,8 +598,27 @@ class _Analysis:
             fwd=rec.cost("fwd"), bwd=rec.cost("bwd"),
             act_bytes={k: float(v["act"]) for k, v in res.items()}, input_bytes=tokens_in,
             peak_extra_bytes=res["float32"]["peak"], autocast_weight_bytes=float(res["bfloat16"]["weights"]),
+            peak_extra={k: float(v["peak"]) for k, v in res.items()},
+            peak_lines={k: v["lines"] for k, v in res.items() if v["lines"]},
+            act_bytes_fused={k: float(v["act"]) for k, v in fused.items()},
+            peak_extra_fused={k: float(v["peak"]) for k, v in fused.items()},
+            peak_lines_fused={k: v["lines"] for k, v in fused.items() if v["lines"]},
             tensors=sum(1 for p in rest_params if p.requires_grad),
         )
+
+    def _batched(self) -> bool:
+        """The batch has a batch dimension the analysis can grow (the default Hugging Face batch, or a
+        ``sample_input`` whose tensors share their leading size)."""
+        if self.sample_input is None:
+            return True
+        leaves = [t for t in tree_flatten(self.sample_input)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+        return bool(leaves) and len({t.shape[0] for t in leaves}) == 1
+
+    def _fusable_loss(self) -> bool:
+        """The loss is a Hugging Face model's own ``loss_function`` on its logits (no ``loss_func``, the default
+        batch): the analysis can trace it as a fused cross-entropy kernel (:func:`_loss_kernel`)."""
+        return (self.loss_func is None and self.sample_input is None
+                and isinstance(getattr(type(self.model), "loss_function", None), property))
 
     def _input_bytes(self) -> float:
         batch, _, _ = self._batch()
@@ -627,6 +680,66 @@ def _clear_grads(tensors) -> None:
     for t in tensors:
         if isinstance(t, torch.Tensor):
             t.grad = None
+
+
+#: micro-batches (in analysed samples) at which a moment of the transient must be the peak to be kept
+_PEAK_SAMPLES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+
+
+def _peak_lines(two: dict, three: dict) -> list[tuple[float, float]]:
+    """``[(fixed, per_sample), ...]``: the transient above the saved activations at each moment of a trace,
+    as a line in the batch size ``b`` (``fixed + b * per_sample``), from the same ops traced at 2 and 3
+    samples (at 1 some reshapes are views that copy at 2 or more, so the allocations differ); only the lines
+    that are the peak at some micro-batch of :data:`_PEAK_SAMPLES` are kept. Empty when the two traces ran
+    different ops (then the one-sample peak scales with the micro-batch)."""
+    c2, c3 = two["curve"], three["curve"]
+    if len(c2) != len(c3) or not c2:
+        return []
+    d_saved = three["saved"] - two["saved"]  # the saved activations' growth per sample (in act_bytes)
+    lines = [(a - 2.0 * (b - a) - (two["saved"] - 2.0 * d_saved), (b - a) - d_saved) for a, b in zip(c2, c3)]
+    keep = {max(range(len(lines)), key=lambda i: lines[i][0] + n * lines[i][1]) for n in _PEAK_SAMPLES}
+    return [lines[i] for i in sorted(keep)]
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    """What a fused cross-entropy kernel allocates (Inductor's compiled loss, flash-attn's ``CrossEntropyLoss``,
+    Liger's): forward reads the logits once and keeps them plus one fp32 log-sum-exp per row (no fp32 copy, no
+    log-softmax tensor); backward writes the logits' gradient once, in the logits' dtype. Shapes only: the
+    analysis runs it on fake tensors."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        rows = logits.numel() // max(logits.shape[-1], 1)
+        lse = logits.new_empty(rows, dtype=torch.float32)
+        ctx.save_for_backward(logits, lse)
+        return logits.new_empty((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, _ = ctx.saved_tensors
+        return torch.empty_like(logits)
+
+
+def _fused_loss_function(logits, labels=None, vocab_size=None, **_):
+    return _FusedCrossEntropy.apply(logits)
+
+
+@contextmanager
+def _loss_kernel(model: nn.Module, fused: bool):
+    """Within: ``model``'s Hugging Face ``loss_function`` is the fused cross-entropy stand-in (``fused``)."""
+    if not fused:
+        yield
+        return
+    had = "_loss_function" in model.__dict__
+    before = model.__dict__.get("_loss_function")
+    model._loss_function = _fused_loss_function
+    try:
+        yield
+    finally:
+        if had:
+            model._loss_function = before
+        else:
+            del model._loss_function
 
 
 def _autocast(precision: str):

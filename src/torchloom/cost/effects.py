@@ -262,15 +262,52 @@ def hidden_bytes(info, step, dtype: str | None = None) -> float:
 
 
 def activation_bytes(info, step) -> tuple[float, float]:
-    """Baseline activations of one micro-batch: ``(blocks, rest)`` bytes in the compute dtype (the analysed
-    sequence length scaled to ``step.seq_len``)."""
+    """Baseline activations of one micro-batch: ``(blocks, rest)`` bytes as the step's kernels save them
+    (:func:`step_activations`; the analysed sequence length scaled to ``step.seq_len``)."""
     scale = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
-    key = step.activation_key
-
-    blocks, rest = _memo(info, ("act", key), lambda: (sum(part_activations(p, key) * p.count for p in info.blocks),
-                                                       part_activations(info.rest, key)
-                                                       if info.rest is not None else None))
+    memo = ("act", step.activation_key, step.fused_blocks, step.fp8_saved_inputs)
+    blocks, rest = _memo(info, memo, lambda: (sum(step_activations(p, step) * p.count for p in info.blocks),
+                                              step_activations(info.rest, step) if info.rest is not None else None))
     return blocks * scale, rest * scale if rest is not None else 0.0
+
+
+def step_activations(part, step) -> float:
+    """Bytes one instance of ``part`` saves for backward at micro-batch 1 as the step runs it: the trace of
+    its precision (``StepShape.activation_key``); for a block, without the chain-internal intermediates when
+    the blocks run fused (``StepShape.fused_blocks``) and with the weight GEMMs' inputs kept in FP8 when
+    ``StepShape.fp8_saved_inputs`` (``PartInfo.fp8_input_saving``); for the rest (embedding, head, loss),
+    with its cross-entropy fused when ``StepShape.fused_loss``."""
+    block = part.name != "rest"
+    act = part_activations(part, step.activation_key, fused=step.fused_blocks if block else step.fused_loss)
+    if block and step.fp8_saved_inputs:
+        act -= _by_key(part.fp8_input_saving, step.activation_key) or 0.0
+    return max(act, 0.0)
+
+
+def step_peak(part, step, samples: float = 1.0) -> float:
+    """Transient bytes above its activations while one instance of ``part`` runs forward and backward on
+    ``samples`` analysed samples (the micro-batch in analysed sequences), as the step runs it: the largest of
+    the trace's lines in the batch size (``PartInfo.peak_lines``; the fused-loss traces under
+    ``StepShape.fused_loss``), else the per-sample transient of the step's precision (``peak_extra``) or the
+    fp32 trace's ``peak_extra_bytes`` times ``samples``."""
+    key = step.activation_key
+    fused = part.name == "rest" and step.fused_loss and part.peak_extra_fused
+    lines = _by_key(part.peak_lines_fused if fused else part.peak_lines, key)
+    if lines:
+        return max(0.0, max(a + samples * b for a, b in lines))
+    per = _by_key(part.peak_extra_fused if fused else part.peak_extra, key)
+    return (part.peak_extra_bytes if per is None else per) * samples
+
+
+def _by_key(table: dict[str, float], key: str) -> float | None:
+    """``table[key]``, else the same dtype's other trace; fp16 reads bf16's (the same 2-byte element: the
+    analysis traces bf16 only); None when absent."""
+    twins = [key, key.split(":")[0]] + ([key.replace("float16", "bfloat16"), "bfloat16"] if "float16" in key
+                                        and "bfloat16" not in key else [])
+    for k in twins:
+        if k in table:
+            return table[k]
+    return None
 
 
 def part_activations(part, key: str, fused: bool = False) -> float:
@@ -278,12 +315,9 @@ def part_activations(part, key: str, fused: bool = False) -> float:
     (``StepShape.activation_key``): that trace when analysed, else the compute dtype's, else the fp32 trace
     scaled by the element size. ``fused``: ``act_bytes_fused`` (a compiled block) where known."""
     table = part.act_bytes_fused if fused and part.act_bytes_fused else part.act_bytes
-    # fp16 saves what bf16 saves (the same 2-byte element): the analysis traces bf16 only
-    twins = [key, key.split(":")[0]] + ([key.replace("float16", "bfloat16"), "bfloat16"] if "float16" in key
-                                         and "bfloat16" not in key else [])
-    for k in twins:
-        if k in table:
-            return table[k]
+    found = _by_key(table, key)
+    if found is not None:
+        return found
     dt = key.split(":")[0]
     return table.get("float32", 0.0) * dtype_bytes(dt) / 4
 

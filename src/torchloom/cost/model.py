@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ..parallel.dims import spans_nodes, view_size  # noqa: F401  (spans_nodes re-exported: the node-span rule)
 from .step import Prediction, StepShape
 from .effects import (DTYPE_BYTES, MEMORY, MEMORY_SET, Collective, Effects, PipelineShape, StageLoad,
-                      expert_shard_scale, part_activations)
+                      expert_shard_scale, step_activations, step_peak)
 from .hardware import Hardware
 from .model_info import ModelInfo, PassCost
 
@@ -286,7 +286,7 @@ class _Baseline:
             "grads": trainable * pb,
             "optimizer": 2.0 * trainable * pb,  # Adam exp_avg + exp_avg_sq in the parameter dtype
             "activations": self.activations_per_microbatch(),
-            "temporary": max((p.peak_extra_bytes for p in info.parts), default=0.0) * self.mb,
+            "temporary": max((step_peak(p, self.step, self.mb) for p in info.parts), default=0.0),
         }
 
     def expert_memory(self) -> dict[str, float]:
@@ -300,8 +300,7 @@ class _Baseline:
         return {"params": ex.params * pb, "grads": trainable * pb, "optimizer": 2.0 * trainable * pb}
 
     def activations_per_microbatch(self) -> float:
-        key = self.step.activation_key
-        return sum(part_activations(p, key) * p.count for p in self.info.parts) * self.mb
+        return sum(step_activations(p, self.step) * p.count for p in self.info.parts) * self.mb
 
 
 def _peak(mem: dict[str, float], state: _Baseline, grads_live: bool, hw: Hardware) -> dict[str, float]:

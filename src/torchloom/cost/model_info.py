@@ -91,6 +91,18 @@ class PartInfo:
             (``{"float32": ..., "bfloat16": ...}``: fp32 training, and bf16 autocast).
         input_bytes: bytes of the instance's input activation at micro-batch 1 in fp32 (what activation
             checkpointing keeps instead of ``act_bytes``; halve for bf16).
+        peak_extra: the transient per sample by trace (``"float32"``, ``"bfloat16"``, ...); empty when unknown
+            (then ``peak_extra_bytes``).
+        peak_lines: the rest's transient above its activations as ``[(fixed, per_sample), ...]`` lines in the
+            micro-batch ``b`` (the peak is the largest ``fixed + b * per_sample``), by trace: it mixes per-token
+            tensors (logits, their gradient) with state-sized ones (the head's and tied embedding's weight
+            gradients before they accumulate) that do not grow with ``b``. Measured by tracing 1 and 2
+            samples. Empty when unknown (then ``peak_extra`` scales with ``b``). ``peak_lines_fused``: the
+            same with the loss fused.
+        peak_extra_fused: ``peak_extra`` of the rest when its cross-entropy runs as one fused kernel
+            (``compile`` with components ``loss``: the logits' gradient written once in their dtype, no fp32 copy or
+            log-softmax); its ``act_bytes_fused`` holds what it saves then (the logits in their dtype). Empty
+            when not traced (a custom ``loss_func``) and for blocks.
         peak_extra_bytes: transient bytes above ``act_bytes`` while the instance runs forward+backward
             (workspace, recomputed activations of the instance being backpropagated), fp32.
         autocast_weight_bytes: bytes of the low-precision weight copies bf16 autocast makes and saves for
@@ -99,7 +111,10 @@ class PartInfo:
         act_bytes_fused: ``act_bytes`` when the instance runs with its op chains fused (``torch.compile``):
             without the intermediates made and used inside one chain, which a fusing compiler recomputes in
             backward instead of saving (:meth:`~torchloom.cost.op_trace.OpRecorder.chain_internal_saved_bytes`);
-            empty when unknown (then ``act_bytes``).
+            empty when unknown (then ``act_bytes``). For the rest: with its loss fused (see ``peak_extra_fused``).
+        fp8_input_saving: bytes ``act_bytes`` shrinks by, by trace, when every weight GEMM keeps its activation
+            input in FP8 (Transformer Engine's Linear layers; :meth:`~torchloom.cost.op_trace.OpRecorder.
+            weight_gemm_input_saving`); empty when unknown (then 0).
         tensors: trainable parameter tensors per instance (the optimizer step's per-tensor host work); 0 when
             unknown.
     """
@@ -116,6 +131,11 @@ class PartInfo:
     peak_extra_bytes: float = 0.0
     autocast_weight_bytes: float = 0.0
     act_bytes_fused: dict[str, float] = field(default_factory=dict)
+    fp8_input_saving: dict[str, float] = field(default_factory=dict)
+    peak_extra: dict[str, float] = field(default_factory=dict)
+    peak_extra_fused: dict[str, float] = field(default_factory=dict)
+    peak_lines: dict[str, list] = field(default_factory=dict)
+    peak_lines_fused: dict[str, list] = field(default_factory=dict)
     tensors: int = 0
 
 

@@ -389,6 +389,17 @@ class OpRecorder(TorchDispatchMode):
             peak = max(peak, live)
         return float(peak)
 
+    def live_curve(self, exclude: set[int]) -> list[int]:
+        """Live op-allocated bytes after each allocation event (ignoring the allocations ``exclude``): the
+        timeline :meth:`peak_allocated` takes the maximum of; two traces of the same ops at different batch
+        sizes give each moment's bytes as a line in the batch size (``analysis._peak_lines``)."""
+        live, out = 0, []
+        for serial, delta in self.events:
+            if serial not in exclude:
+                live += delta
+            out.append(live)
+        return out
+
     def cost(self, phase: str) -> PassCost:
         """What ``phase`` (``"fwd"``/``"bwd"``) costs; call after the trace (fusion needs the tensors that
         left each pass)."""
@@ -406,6 +417,49 @@ class OpRecorder(TorchDispatchMode):
         out = self.leaving.get("fwd", set())
         return float(sum(b for tid, b in self.saved_ids.items()
                          if tid in f.made and tid not in f.escaping and tid not in out))
+
+    def weight_gemm_input_saving(self, outputs) -> float:
+        """Bytes the forward's saved activations shrink by when every weight GEMM keeps its activation input
+        in FP8 (1 byte per element) instead of the traced dtype: Transformer Engine's ``Linear`` /
+        ``LayerNormLinear`` / ``LayerNormMLP`` save the quantized input for the weight-gradient GEMM
+        (``transformer_engine/pytorch/module/linear.py``, ``saved_inputmat``), so an input saved only by weight
+        GEMMs (a norm's output feeding the QKV projections, the MLP's product feeding the down projection) is
+        kept in FP8 and its bf16 original is freed; an input another op saves too (flash attention's output,
+        which the output projection reads) stays and gains the FP8 copy. Walks the autograd graph of
+        ``outputs`` (call before backward): each node's ``_saved_*`` tensors name who saved what. A weight GEMM
+        is a matrix-product node with an operand made from the model state (a weight or its autocast copy).
+        Negative when shared inputs dominate (the FP8 copies add memory)."""
+        gemm_nodes = {"MmBackward0", "AddmmBackward0", "BmmBackward0", "BaddbmmBackward0"}
+        savers: dict[int, set[bool]] = defaultdict(set)
+        elems: dict[int, int] = {}
+        seen, stack = set(), [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            stack.extend(f for f, _ in node.next_functions)
+            tensors = []
+            for attr in dir(node):
+                if attr.startswith("_saved_"):
+                    v = getattr(node, attr)
+                    tensors += [v] if isinstance(v, torch.Tensor) else [x for x in v if isinstance(x, torch.Tensor)] \
+                        if isinstance(v, (tuple, list)) else []
+            keys = [storage_key(t) for t in tensors]
+            weight = node.name() in gemm_nodes and any(k in self.state or k in self.derived for k in keys)
+            for t, k in zip(tensors, keys):
+                if k in self.saved:
+                    savers[k].add(weight)
+                    elems[k] = max(elems.get(k, 0), t.untyped_storage().nbytes() // max(t.element_size(), 1))
+        saving = 0.0
+        for k, who in savers.items():
+            if True not in who:
+                continue
+            if who == {True}:
+                saving += self.saved[k] - elems[k]  # the traced copy freed, the FP8 one kept
+            else:
+                saving -= elems[k]  # kept by another op too: the FP8 copy comes on top
+        return saving
 
     def unshaped_flops(self) -> float:
         return sum(p.unshaped_flops for p in self.passes.values())

@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..search.candidate import Candidate
 
+#: ``torch.compile`` backends that generate fused kernels (the others trace and run the same eager kernels)
+FUSING_BACKENDS = ("inductor",)
+
 
 @dataclass
 class StepShape:
@@ -21,6 +24,11 @@ class StepShape:
         param_dtype: dtype name the parameters are stored in (``"bfloat16"`` under half).
         fp8: the blocks' weight GEMMs run in FP8 (the ``float8`` method); attention and the head stay in
             ``compute_dtype``.
+
+    The saved activations and transients follow from the step's kernels (:attr:`fused_blocks`,
+    :attr:`fused_loss`, :attr:`fp8_saved_inputs`): one definition (:func:`torchloom.cost.effects.
+    step_activations`, :func:`~torchloom.cost.effects.step_peak`) that the baseline and every method read, so
+    the methods' memory rules compose on what the kernels really keep.
     """
 
     micro_batch: int
@@ -36,6 +44,38 @@ class StepShape:
     def block_gemm_dtype(self) -> str:
         """Dtype of the blocks' weight GEMMs: ``"float8"`` under the float8 method, else ``compute_dtype``."""
         return "float8" if self.fp8 else self.compute_dtype
+
+    @property
+    def fused_blocks(self) -> bool:
+        """The blocks run compiled with a fusing backend (``compile``, Inductor): chain-internal
+        intermediates are recomputed in backward, not saved (``PartInfo.act_bytes_fused``)."""
+        c = self.configs.get("compile")
+        return (c is not None and c.get("backend", "inductor") in FUSING_BACKENDS
+                and "model" in c.get("components", ("model",)))
+
+    @property
+    def fused_loss(self) -> bool:
+        """The loss runs compiled (``compile`` with ``"loss"`` in its components and a fusing backend): its
+        cross-entropy is one fused kernel (``PartInfo.act_bytes_fused`` / ``peak_extra_fused`` of the rest)."""
+        c = self.configs.get("compile")
+        return bool(c is not None and "loss" in c.get("components", ("model",))
+                    and c.get("backend", "inductor") in FUSING_BACKENDS)
+
+    @property
+    def fp8_saved_inputs(self) -> bool:
+        """The blocks' weight GEMMs keep their activation inputs in FP8 for backward (``float8`` with
+        ``save_fp8_inputs``: Transformer Engine's behaviour; ``PartInfo.fp8_input_saving``)."""
+        c = self.configs.get("float8", self.configs.get("fp8"))
+        return bool(self.fp8 and c and c.get("save_fp8_inputs"))
+
+    @property
+    def fp8_gathered_weights(self) -> bool:
+        """The blocks' Linear weights are all-gathered and held unsharded in FP8 (``float8`` with
+        ``fsdp_float8_all_gather``: torchao's ``enable_fsdp_float8_all_gather``, Megatron's
+        ``fp8_param_gather``): FSDP's gathered bytes and all-gather traffic for the block units are 1 byte
+        per element."""
+        c = self.configs.get("float8", self.configs.get("fp8"))
+        return bool(self.fp8 and c and c.get("fsdp_float8_all_gather"))
 
     @property
     def residual_dtype(self) -> str:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..cost.memo import memo_model_check
-from ..cost.effects import Effects, activation_bytes, blocks_per_rank, dtype_bytes
+from ..cost.effects import Effects, activation_bytes, blocks_per_rank, dtype_bytes, step_peak
 from ..errors import StrategyError
 from ..parallel.blocks import find_blocks
 from ..strategy.registry import Method, Stage, register_method
@@ -85,8 +85,8 @@ class ActivationCheckpoint(Method):
             e.memory_scale["activations"] = (kept + rest) / (blocks + rest)
             # the transient peak is the larger of the loss/head temporaries (the baseline's) and one block
             # being backpropagated: its recomputed activations plus its own transient
-            base = max((p.peak_extra_bytes for p in info.parts), default=0.0) * scale
-            widest = max((p.peak_extra_bytes for p in info.blocks), default=0.0) * scale
+            base = max((step_peak(p, step, scale) for p in info.parts), default=0.0)
+            widest = max((step_peak(p, step, scale) for p in info.blocks), default=0.0)
             recomputed = (blocks / max(info.num_blocks, 1) + widest) / max(dims.tp, 1)
             e.memory_add["temporary"] = max(0.0, recomputed - base)
         return e

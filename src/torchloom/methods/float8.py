@@ -9,6 +9,7 @@ table entry has an FP8 peak.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,10 +29,20 @@ TRANSPOSE_BYTES_PER_ELEMENT = 2.0
 @dataclass
 class Float8Config:
     """recipe: torchao's scaling recipe ("tensorwise": one scale per tensor; "rowwise": one per row, more
-    accurate, slightly slower GEMMs). filter_fqns: module names (substrings) kept in bf16 besides the head."""
+    accurate, slightly slower GEMMs). filter_fqns: module names (substrings) kept in bf16 besides the head.
+    save_fp8_inputs: planning only: price the weight GEMMs as keeping their FP8-cast inputs for backward
+    (1 byte per element) instead of the bf16 ones: Transformer Engine's ``Linear``/``LayerNormLinear``/
+    ``LayerNormMLP`` do (``saved_inputmat``), which is what Megatron-LM/NeMo FP8 runs save; torchao's
+    ``Float8Linear`` (what ``apply`` installs) keeps the high-precision input, so a run asking for it is refused.
+    fsdp_float8_all_gather: FSDP2 all-gathers the blocks' Linear weights in FP8 (torchao's
+    ``enable_fsdp_float8_all_gather``, torchtitan's ``float8.enable_fsdp_float8_all_gather``; Megatron's
+    ``fp8_param_gather`` is the same bytes): half the all-gather traffic and the gathered weights' memory.
+    Tensorwise scaling only (torchao's rule)."""
 
     recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     filter_fqns: list[str] | None = None
+    save_fp8_inputs: bool = False
+    fsdp_float8_all_gather: bool = False
 
 
 @register_method
@@ -76,8 +87,20 @@ class Float8(Method):
         per_block /= max(info.num_blocks, 1)
         split = max(dims.tp, 1) * max(dims.cp, 1)  # the rank's share of the weights (tp) and tokens (cp)
         seconds = per_block * blocks_per_rank(info, dims) * step.grad_accum / split / hw.mem_bw if hw.mem_bw else 0.0
-        return Effects(self.name, time_add={"casts": seconds},
-                       notes=[f"{self.config.recipe} scaling; head and attention in bf16"])
+        notes = [f"{self.config.recipe} scaling; head and attention in bf16"]
+        if self.config.save_fp8_inputs:
+            notes.append("weight GEMM inputs saved in FP8 (Transformer Engine; planning only)")
+        if self.config.fsdp_float8_all_gather:
+            notes.append("FSDP all-gathers the blocks' weights in FP8")
+        return Effects(self.name, time_add={"casts": seconds}, notes=notes)
+
+    @classmethod
+    def normalise_config(cls, raw):
+        if isinstance(raw, dict) and raw.get("fsdp_float8_all_gather") and raw.get("recipe", "tensorwise") != "tensorwise":
+            raise StrategyError(f"float8: fsdp_float8_all_gather needs recipe 'tensorwise' (torchao all-gathers "
+                                f"FP8 weights with one scale per tensor only), got {raw.get('recipe')!r}: use "
+                                "recipe tensorwise or drop fsdp_float8_all_gather.")
+        return raw
 
     def validate(self, info, dims) -> None:
         """Refuse a model whose blocks hold no ``nn.Linear`` (``apply`` converts only those: GPT-2's ``Conv1D``,
@@ -95,6 +118,12 @@ class Float8(Method):
     def apply(self, ctx) -> None:
         import torch
 
+        if self.config.save_fp8_inputs:
+            raise StrategyError("float8: save_fp8_inputs prices Transformer Engine's FP8 Linear layers (they keep the "
+                                "FP8-cast input for backward); torchao's Float8Linear, which torchloom installs, keeps "
+                                "the bf16 input. It is a planning option (loom plan, published-run pricing): drop it "
+                                "to train.")
+
         if ctx.device.type != "cuda" or torch.cuda.get_device_capability(ctx.device) < (8, 9):
             where = ctx.device.type if ctx.device.type != "cuda" else torch.cuda.get_device_name(ctx.device)
             raise StrategyError(f"float8 needs a GPU with FP8 tensor cores (compute capability 8.9+: H100, H200, "
@@ -104,6 +133,8 @@ class Float8(Method):
         except ImportError as e:
             raise StrategyError("float8 needs torchao (pip install torchao); it is not installed.") from e
         config = Float8LinearConfig.from_recipe_name(self.config.recipe)
+        if self.config.fsdp_float8_all_gather:
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
         skip = tuple(self.config.filter_fqns or ())
         converted = 0
         for part in ctx.model_parts:

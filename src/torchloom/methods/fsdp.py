@@ -136,7 +136,10 @@ class FSDP(Method):
         # at the peak (backward starts: all activations alive) ZeRO-3 holds the last block, gathered again
         # for its backward, and the root; ZeRO-2 every block of the rank. The forward's current + prefetched
         # pair and the backward's unsharded block gradient come when fewer activations are alive.
-        gathered = (min(nb, 1) if zero3 else nb) * block * cd
+        # the blocks' Linear weights gathered in FP8 under float8's FSDP all-gather (their norms' few elements
+        # stay bf16: priced FP8 too); the root unit (embedding, head) stays in the compute dtype
+        bcd = 1 if step.fp8_gathered_weights else cd
+        gathered = (min(nb, 1) if zero3 else nb) * block * bcd
         accum = step.grad_accum
         # accumulating unsharded: the micro-batches before the last keep a whole gradient per rank; sharded:
         # every micro-batch reduce-scatters (accum x the calls), the shards accumulate
@@ -160,11 +163,11 @@ class FSDP(Method):
         if dims.pp > 1 and "pipeline_parallel" in step.methods:
             fwd_gathers = min(accum, dims.pp) if zero3 else 1
         if n > 1:
-            e.collectives.append(Collective("all_gather", (block * nb + rest) * cd / (nb + 1), shard_view,
+            e.collectives.append(Collective("all_gather", (block * nb * bcd + rest * cd) / (nb + 1), shard_view,
                                             calls=fwd_gathers * (nb + 1), overlap="forward",
                                             exposed_calls=fwd_gathers, label="fsdp.all_gather"))
             if zero3 and nb:
-                e.collectives.append(Collective("all_gather", block * cd, shard_view, calls=accum * nb,
+                e.collectives.append(Collective("all_gather", block * bcd, shard_view, calls=accum * nb,
                                                 overlap="backward", label="fsdp.all_gather_bwd"))
             e.collectives.append(Collective("reduce_scatter", (block * nb + rest) * rd / (nb + 1), shard_view,
                                             calls=rs_calls * (nb + 1), overlap="backward", exposed_calls=rs_calls,

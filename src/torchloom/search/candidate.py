@@ -79,7 +79,8 @@ class Candidate:
             elif n == "float8":
                 parts.append("fp8")
             elif n == "compile":
-                parts.append("compile")
+                comps = list(c.get("components", ["model"]))
+                parts.append("compile" if comps == ["model"] else f"compile({'+'.join(comps)})")
             elif n == "pipeline_parallel":
                 parts.append(f"pp:{c.get('schedule', '1f1b')}")
             else:
