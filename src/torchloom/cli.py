@@ -519,6 +519,8 @@ class _PlanCommand(click.Command):
 @click.option("--strategy", default=None, help="evaluate this strategy instead of searching: fsdp,amp or a "
                                                "JSON/YAML list or a strategy file")
 @click.option("--exclude", default=None, help="search: names to leave out, e.g. pipeline_parallel,zero1")
+@click.option("--include", default=None, help="search: names every candidate must use, e.g. compile (the blocks and "
+                                              "a Hugging Face model's loss), checkpoint, float8")
 @click.option("--fix", "fixed", multiple=True, metavar="DIM=N", help="search: pin a degree, e.g. --fix tp=8")
 @click.option("--top", type=int, default=10, show_default=True, help="rows to show")
 @click.option("--explain", type=int, default=None, metavar="N", help="print candidate N's full breakdown")
@@ -540,6 +542,7 @@ def plan(model: str, **kw) -> None:
     Examples:
       loom plan llama3-70b --gpu h100 --gpus 1024 --gpus-per-node 8
       loom plan llama3-8b --gpu h100 --gpus 8 --global-batch 16 --strategy fsdp,amp,checkpoint --explain 1
+      loom plan llama3-8b --gpu h100 --gpus 64 --global-batch 128 --include compile
       loom plan default --local --nproc 4 --global-batch 16 --json
     """
     from .search.plan_cli import run_command

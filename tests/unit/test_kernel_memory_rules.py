@@ -171,7 +171,8 @@ def test_the_rest_lines_agree_with_the_one_sample_trace(tiny_llama_info):
 
 
 def test_compile_components_and_the_loss_function():
-    """components names model and/or loss; the loss needs a Hugging Face loss_function and no pipeline; apply
+    """components names model and/or loss; the loss needs a Hugging Face loss_function (under pipelining it
+    stays eager, priced eager); apply
     compiles the model's loss_function in place (aot_eager here) and the loss and gradients do not change."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -182,10 +183,10 @@ def test_compile_components_and_the_loss_function():
     with pytest.raises(StrategyError, match="components"):
         Strategy.parse([("compile", {"components": ["head"]})])
     loss_only = Compile(CompileConfig(components=["loss"], backend="aot_eager"))
-    with pytest.raises(StrategyError, match="pipeline"):
-        loss_only.validate(SimpleNamespace(module=None), ParallelDims(pp=2))
     with pytest.raises(StrategyError, match="has none"):
         loss_only.validate(SimpleNamespace(module=torch.nn.Linear(2, 2)), ParallelDims())
+    loss_only.validate(SimpleNamespace(module=torch.nn.Linear(2, 2)), ParallelDims(pp=2))  # left eager there
+    assert not StepShape.of(cand([("compile", {"components": ["loss"]})], mb=1, pp=2)).fused_loss
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -204,3 +205,21 @@ def test_compile_components_and_the_loss_function():
     assert out.item() == pytest.approx(ref.item(), abs=1e-6)
     assert torch.allclose(model.lm_head.weight.grad, ref_grad, atol=1e-6)
     assert any("loss_function compiled" in n for n in ctx.notes)
+
+
+def test_the_planner_adds_compile_with_the_loss_when_included():
+    """search configs: the config an included method is added with (aliases resolve; a config for a method not
+    included is refused); loom plan's --include compile compiles the blocks and the Hugging Face loss."""
+    from torchloom.search.options import SearchOptions
+    from torchloom.search.plan_cli import plan
+    from torchloom.search.space import user_method_options
+
+    o = SearchOptions.parse({"include": ["compile"], "configs": {"torch_compile": {"components": ["loss"]}}})
+    assert o.configs == {"compile": {"components": ["loss"]}}
+    assert [("compile", {"components": ["loss"]})] in user_method_options(o)
+    with pytest.raises(StrategyError, match="not included"):
+        SearchOptions.parse({"configs": {"compile": {}}})
+    rep = plan("default", gpu="h100", gpus=8, gpus_per_node=8, global_batch=8,
+               search_options={"include": ["compile"]})
+    assert all(dict(r.candidate.methods)["compile"] == {"components": ["model", "loss"]} for r in rep.rows)
+    assert any("compiles model and loss" in n for n in rep.notes)

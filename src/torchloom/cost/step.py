@@ -24,6 +24,8 @@ class StepShape:
         param_dtype: dtype name the parameters are stored in (``"bfloat16"`` under half).
         fp8: the blocks' weight GEMMs run in FP8 (the ``float8`` method); attention and the head stay in
             ``compute_dtype``.
+        pipelined: the candidate has pipeline stages (``pp > 1``): the last stage's loss runs inside the
+            schedule, which ``compile`` does not compile.
 
     The saved activations and transients follow from the step's kernels (:attr:`fused_blocks`,
     :attr:`fused_loss`, :attr:`fp8_saved_inputs`): one definition (:func:`torchloom.cost.effects.
@@ -39,6 +41,7 @@ class StepShape:
     compute_dtype: str = "float32"
     param_dtype: str = "float32"
     fp8: bool = False
+    pipelined: bool = False
 
     @property
     def block_gemm_dtype(self) -> str:
@@ -58,7 +61,7 @@ class StepShape:
         """The loss runs compiled (``compile`` with ``"loss"`` in its components and a fusing backend): its
         cross-entropy is one fused kernel (``PartInfo.act_bytes_fused`` / ``peak_extra_fused`` of the rest)."""
         c = self.configs.get("compile")
-        return bool(c is not None and "loss" in c.get("components", ("model",))
+        return bool(c is not None and "loss" in c.get("components", ("model",)) and not self.pipelined
                     and c.get("backend", "inductor") in FUSING_BACKENDS)
 
     @property
@@ -108,7 +111,7 @@ class StepShape:
         if "half" in configs:
             param_dtype = compute
         return cls(cand.micro_batch, cand.grad_accum, cand.seq_len, list(configs), configs, compute, param_dtype,
-                   fp8)
+                   fp8, cand.dims.pp > 1)
 
 
 #: spellings the amp/half ``dtype`` options accept -> canonical dtype names

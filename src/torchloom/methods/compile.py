@@ -56,7 +56,9 @@ class Compile(Method):
         if self.config.backend not in self.FUSING_BACKENDS:
             return Effects(self.name, notes=[f"backend {self.config.backend!r} does not fuse: priced as eager"])
         notes = []
-        if "loss" in self.config.components and info.rest is not None and not info.rest.peak_extra_fused:
+        if "loss" in self.config.components and dims.pp > 1:
+            notes.append("loss: not compiled under pipeline parallelism (priced eager)")
+        elif "loss" in self.config.components and info.rest is not None and not info.rest.peak_extra_fused:
             notes.append("loss: the analysis could not trace the loss as a fused kernel (a custom loss_func): "
                          "its memory is priced eager")
         return Effects(self.name, fused="model" in self.config.components, notes=notes)
@@ -74,12 +76,9 @@ class Compile(Method):
         return raw
 
     def validate(self, info, dims) -> None:
-        """Compiling the loss needs a model with a Hugging Face ``loss_function`` and no pipeline split (the
-        last stage's loss runs inside the schedule)."""
-        if "loss" in self.config.components:
-            if dims.pp > 1:
-                raise StrategyError("compile: components 'loss' with pipeline parallel: the last stage computes "
-                                    "the loss inside the schedule; compile the model only.")
+        """Compiling the loss needs a model with a Hugging Face ``loss_function`` (under pipeline parallelism
+        the loss runs inside the schedule and is left eager, with a note: ``apply``)."""
+        if "loss" in self.config.components and dims.pp == 1:
             if info.module is not None and _loss_owner(info.module) is None:
                 raise StrategyError(f"compile: components 'loss' compiles a Hugging Face model's loss_function; "
                                     f"{type(info.module).__name__} has none. Compile your loss_func "
@@ -92,12 +91,15 @@ class Compile(Method):
             for _, block in blocks:
                 block.compile(backend=c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic)
             ctx.note(f"compile: {len(blocks)} blocks with backend={c.backend}")
-        if "loss" in c.components:
-            owner = _loss_owner(ctx.model) if ctx.parts is None else None
+        if "loss" in c.components and ctx.parts is not None:
+            ctx.note("compile: the loss is not compiled under pipeline parallelism (the last stage computes it "
+                     "inside the schedule); priced eager too")
+        elif "loss" in c.components:
+            owner = _loss_owner(ctx.model)
             if owner is None:
                 raise StrategyError(f"compile: components 'loss' compiles a Hugging Face model's loss_function; "
-                                    f"{type(ctx.model).__name__} has none{' here (pipelined)' if ctx.parts else ''}. "
-                                    "Compile your loss_func (torch.compile(loss_func)) or drop 'loss'.")
+                                    f"{type(ctx.model).__name__} has none. Compile your loss_func "
+                                    "(torch.compile(loss_func)) or drop 'loss'.")
             import torch
 
             # the instance attribute wins over the class's default (PreTrainedModel.loss_function's setter)

@@ -24,7 +24,7 @@ BUILTIN_CHOICES = (*DP_CHOICES, "fsdp", "tensor_parallel", "sequence_parallel", 
 FIXED_KEYS = ("pp", "dp_replicate", "dp_shard", "tp", "dp", "ep", "cp", "micro_batch")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 KEYS = ("exclude", "include", "fixed", "time_limit_s", "top_k", "on_mismatch", "model_factory", "cache",
-        "headroom", "trial_steps", "pipeline_schedules", "max_micro_batch", "seq_len", "sample_batch")
+        "headroom", "trial_steps", "pipeline_schedules", "max_micro_batch", "seq_len", "sample_batch", "configs")
 
 
 @dataclass
@@ -45,6 +45,7 @@ class SearchOptions:
     max_micro_batch: int | None = None
     seq_len: int | None = None
     sample_batch: Any = None
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, search: "dict[str, Any] | SearchOptions | None") -> "SearchOptions":
@@ -60,7 +61,9 @@ class SearchOptions:
         default 0.05); ``trial_steps`` (timed steps per trial, default 3); ``pipeline_schedules`` (default
         1f1b, interleaved_1f1b, zero_bubble); ``max_micro_batch``; ``seq_len`` (tokens per sample; default:
         dim 1 of the sample batch); ``sample_batch`` (one batch to analyse the model and, without a dataset,
-        to train the trials on: ATorch's ``sample_batch``).
+        to train the trials on: ATorch's ``sample_batch``); ``configs`` (``{name: config}``: the config an
+        included registered method is added to every candidate with, e.g. ``{"compile": {"components":
+        ["model", "loss"]}}``; default: its default config).
 
         Raises:
             StrategyError: not a dict, an unknown key or name (closest suggested, valid ones listed), a bad
@@ -113,6 +116,15 @@ class SearchOptions:
             raise StrategyError(f"search: pipeline_schedules must be a non-empty list of {', '.join(SCHEDULES)}; got "
                                 f"{schedules!r}.")
         o.pipeline_schedules = tuple(schedules)
+        configs = search.get("configs") or {}
+        if not isinstance(configs, dict) or not all(isinstance(v, dict) for v in configs.values()):
+            raise StrategyError(f"search: configs maps an included method's name to its config dict, e.g. "
+                                f"{{'compile': {{'components': ['model', 'loss']}}}}; got {configs!r}.")
+        configs = {canonical_choice(str(k)): v for k, v in configs.items()}
+        stray = sorted(set(configs) - o.include)
+        if stray:
+            raise StrategyError(f"search: configs for {stray}, which are not included; add them to include.")
+        o.configs = {k: dict(v) for k, v in configs.items()}
         o._check_consistent()
         return o
 

@@ -219,7 +219,8 @@ def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_pe
         evaluated, mode, skipped = 1, "strategy", 0
     else:
         say(f"searching the plans for {cl.gpus:,} ranks")
-        result = _search(info, hw, cl.gpus, global_batch, seq, micro_batch, search_options or {}, progress=say,
+        search_options = _compile_config(search_options or {}, info, notes)
+        result = _search(info, hw, cl.gpus, global_batch, seq, micro_batch, search_options, progress=say,
                          keep=keep)
         rows = _rows(result)
         evaluated, search_notes, skipped = len(result.evaluated), list(result.notes), result.skipped
@@ -227,6 +228,17 @@ def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_pe
         mode = "search"
     return PlanReport(spec, info.n_params, cl, hw, seq, global_batch, rows, evaluated, mode,
                       time.perf_counter() - t0, notes, experts=info.experts, skipped=skipped)
+
+
+def _compile_config(options: dict[str, Any], info, notes: list[str]) -> dict[str, Any]:
+    """An included ``compile`` without a config compiles the blocks and, when the model's loss is a Hugging
+    Face ``loss_function`` the analysis could trace fused, the loss too (torchtitan's default components)."""
+    if "compile" not in (options.get("include") or ()) or "compile" in (options.get("configs") or {}):
+        return options
+    loss = info.rest is not None and bool(info.rest.peak_extra_fused)
+    components = ["model", "loss"] if loss else ["model"]
+    notes.append(f"compile: every candidate compiles {' and '.join(components)} (Inductor)")
+    return {**options, "configs": {**(options.get("configs") or {}), "compile": {"components": components}}}
 
 
 def check_sizes(*, gpus: int | None = None, gpus_per_node: int | None = None, nproc: int | None = None,
@@ -367,8 +379,8 @@ def strategy_candidate(text: str, info, world: int, global_batch: int, seq_len: 
 
 # -------------------------------------------------------------------------------------------- command
 def run_command(model: str, *, gpu=None, gpus=None, gpus_per_node=None, local=False, nproc=None, seq_len=None,
-                global_batch=None, micro_batch=None, strategy=None, exclude=None, fixed=(), top=10, explain=None,
-                as_json=False, sample=None, input_format=None) -> int:
+                global_batch=None, micro_batch=None, strategy=None, exclude=None, include=None, fixed=(), top=10,
+                explain=None, as_json=False, sample=None, input_format=None) -> int:
     """``loom plan``: plan, print (table, ``--explain``, or ``--json``) and return the exit code, the same in
     both forms: 0 when the best row fits (``fits`` in the JSON), 1 when nothing fits or the ``--strategy``
     given does not (the message / ``fits: false`` says by how much and what would fit), 2 for bad input
@@ -380,10 +392,10 @@ def run_command(model: str, *, gpu=None, gpus=None, gpus_per_node=None, local=Fa
     try:
         if top < 1:
             raise StrategyError(f"--top must be >= 1, got {top}.")
-        if strategy is not None and (exclude or fixed):
-            raise StrategyError("--exclude/--fix steer the search; with --strategy nothing is searched (put the "
-                                "degrees in the strategy's parallel_mode item).")
-        options = search_options_from_cli(exclude, fixed)
+        if strategy is not None and (exclude or include or fixed):
+            raise StrategyError("--exclude/--include/--fix steer the search; with --strategy nothing is searched (put "
+                                "the methods and the degrees in the strategy).")
+        options = search_options_from_cli(exclude, fixed, include)
         with Progress() as progress:
             report = plan(model, gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, local=local, nproc=nproc,
                           seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, strategy=strategy,
@@ -424,8 +436,9 @@ def json_error(message: str) -> str:
     return json.dumps({"schema": JSON_SCHEMA_VERSION, "fits": False, "error": message, "exit_code": 2}, indent=1)
 
 
-def search_options_from_cli(exclude: str | None, fixed) -> dict[str, Any]:
-    """``--exclude a,b`` and ``--fix dim=n`` as the search's options dict (checked by the search).
+def search_options_from_cli(exclude: str | None, fixed, include: str | None = None) -> dict[str, Any]:
+    """``--exclude a,b``, ``--include a,b`` and ``--fix dim=n`` as the search's options dict (checked by the
+    search).
 
     Raises:
         StrategyError: a ``--fix`` that is not ``DIM=N`` with an integer N.
@@ -433,6 +446,8 @@ def search_options_from_cli(exclude: str | None, fixed) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if exclude:
         out["exclude"] = [x.strip() for x in exclude.split(",") if x.strip()]
+    if include:
+        out["include"] = [x.strip() for x in include.split(",") if x.strip()]
     pins: dict[str, int] = {}
     for item in fixed or ():
         k, sep, v = item.partition("=")

@@ -183,7 +183,8 @@ def user_method_options(options: SearchOptions) -> list[list[tuple[str, dict[str
         cls = _REGISTRY[name]
         configs = [(name, dict(c)) for c in (cls.search_configs or ())]
         if name in options.include:
-            out.append(configs or [(name, {})])
+            given = options.configs.get(name)
+            out.append([(name, dict(given))] if given is not None else configs or [(name, {})])
         elif configs:
             out.append([None, *configs])
     return out
