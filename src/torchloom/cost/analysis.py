@@ -570,21 +570,30 @@ class _Analysis:
             return dict(rec=rec, act=act, peak=max(0.0, peak), weights=sum(rec.derived_saved.values()),
                         curve=rec.live_curve(grads), saved=sum(rec.saved.values()))
 
-        def traced(precision, fused_loss=False):
-            """The one-sample trace and the lines of its transient in the batch size: the rest's transient
-            mixes per-token tensors (logits and their gradient) with state-sized ones (the head's and the tied
-            embedding's weight gradients before they accumulate), and which moment is the peak depends on the
-            micro-batch. Traced at 2 and 3 samples: every moment's live bytes is a line in the batch size."""
-            one = trace(precision, fused_loss)
-            one["lines"] = []
-            if two_point:
-                one["lines"] = _peak_lines(trace(precision, fused_loss, samples=2),
-                                           trace(precision, fused_loss, samples=3))
+        def traced(precision, fused_loss=False, need_one=False):
+            """The trace's activations and transient at one sample, and the transient's lines in the batch
+            size: the rest's transient mixes per-token tensors (logits and their gradient) with state-sized
+            ones (the head's and the tied embedding's weight gradients before they accumulate), and which
+            moment is the peak depends on the micro-batch. Traced at 2 and 3 samples, every moment's live bytes
+            is a line in the batch size; the one-sample values follow from the lines (a one-sample trace runs
+            too where its op costs are needed, ``need_one``, or the lines cannot be had)."""
+            if not two_point:
+                one = trace(precision, fused_loss)
+                one["lines"] = []
+                return one
+            two, three = trace(precision, fused_loss, samples=2), trace(precision, fused_loss, samples=3)
+            lines = _peak_lines(two, three)
+            if need_one or not lines:
+                one = trace(precision, fused_loss)
+            else:
+                one = dict(rec=None, act=three["act"] - two["act"], weights=two["weights"],
+                           peak=max(0.0, max(a + b for a, b in lines)))
+            one["lines"] = lines
             return one
 
         two_point = self._batched()
         for precision in ("float32", "bfloat16"):
-            res[precision] = traced(precision)
+            res[precision] = traced(precision, need_one=precision == "float32")  # its op costs price the rest
             if fusable:
                 fused[precision] = traced(precision, fused_loss=True)
         rec = res["float32"]["rec"]
