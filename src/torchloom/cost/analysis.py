@@ -224,7 +224,7 @@ class _Analysis:
         self.sample_input, self.input_format, self.loss_func = sample_input, input_format, loss_func
         self.block_classes = block_classes
         self.notes: list[str] = []
-        self.samples = 1  # samples per traced batch (the rest is traced at 1 and 2: see _trace_rest)
+        self.samples = 1  # samples per traced batch (the rest is also traced at 2 and 3: see _trace_rest)
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
