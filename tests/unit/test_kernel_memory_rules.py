@@ -224,3 +224,16 @@ def test_the_planner_adds_compile_with_the_loss_when_included():
                search_options={"include": ["compile"]})
     assert all(dict(r.candidate.methods)["compile"] == {"components": ["model", "loss"]} for r in rep.rows)
     assert any("compiles model and loss" in n for n in rep.notes)
+
+
+def test_context_parallel_splits_the_per_token_transient_not_the_weight_gradients():
+    """The rest's transient max(100 fixed, 30 per sample) at micro-batch 8 (240): cp 4 holds 2 samples' worth of
+    tokens per rank, so max(100, 60) = 100, not 240 / 4."""
+    info, hw = toy_info(), toy_hw(ranks=4)
+    info.parts[0].peak_extra = {"float32": 0.0}
+    info.parts[1].peak_lines = {"float32": [(100.0, 0.0), (0.0, 30.0)]}
+    whole = compose(cand([], mb=8), info, hw).memory["temporary"]
+    split = compose(cand([("context_parallel", {}), ("fsdp", {})], mb=8, cp=4), info, hw).memory["temporary"]
+    assert whole == 240
+    fsdp_only = compose(cand([("fsdp", {})], mb=8, dp_shard=4), info, hw).memory["temporary"]
+    assert split - (fsdp_only - 240) == pytest.approx(100)  # fsdp's gathered units add the same on top

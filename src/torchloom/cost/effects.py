@@ -299,6 +299,17 @@ def step_peak(part, step, samples: float = 1.0) -> float:
     return (part.peak_extra_bytes if per is None else per) * samples
 
 
+def split_tokens_temporary_scale(info, step, split: float) -> float:
+    """Multiplier of the baseline's transient when each rank holds ``1/split`` of every sample's tokens
+    (context parallelism, Ulysses): the per-token share of each part's transient divides, its state-sized share
+    (the head's and a tied embedding's weight gradients: ``PartInfo.peak_lines``) does not."""
+    samples = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
+    whole = max((step_peak(p, step, samples) for p in info.parts), default=0.0)
+    if whole <= 0 or split <= 1:
+        return 1.0
+    return max(step_peak(p, step, samples / split) for p in info.parts) / whole
+
+
 def _by_key(table: dict[str, float], key: str) -> float | None:
     """``table[key]``, else the same dtype's other trace; fp16 reads bf16's (the same 2-byte element: the
     analysis traces bf16 only); None when absent."""

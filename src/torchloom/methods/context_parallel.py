@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cost.effects import Collective, Effects, blocks_per_rank, dtype_bytes
+from ..cost.effects import Collective, Effects, blocks_per_rank, dtype_bytes, split_tokens_temporary_scale
 from ..errors import StrategyError
 from ..parallel.context.install import configure_degree, install
 from .ulysses import check_heads
@@ -67,7 +67,8 @@ class ContextParallel(Method):
             hd = d["hidden_size"] // d["num_heads"]
         scale = 1.0 / cp
         e = Effects(self.name, matmul_scale=scale, other_scale=scale,
-                    memory_scale={"activations": scale, "temporary": scale})
+                    memory_scale={"activations": scale,
+                                  "temporary": split_tokens_temporary_scale(info, step, cp)})
         layers = blocks_per_rank(info, dims)
         u = max(self.config.ulysses, 1)
         ring = cp // u

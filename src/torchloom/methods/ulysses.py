@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cost.effects import Collective, Effects, blocks_per_rank, dtype_bytes
+from ..cost.effects import Collective, Effects, blocks_per_rank, dtype_bytes, split_tokens_temporary_scale
 from ..errors import StrategyError
 from ..parallel.context.install import configure_degree, install
 from ..strategy.registry import Method, Stage, register_method
@@ -52,7 +52,8 @@ class Ulysses(Method):
         if not hd and d.get("hidden_size") and h:
             hd = d["hidden_size"] // h
         e = Effects(self.name, matmul_scale=1.0 / cp, other_scale=1.0 / cp,
-                    memory_scale={"activations": 1.0 / cp, "temporary": 1.0 / cp})
+                    memory_scale={"activations": 1.0 / cp,
+                                  "temporary": split_tokens_temporary_scale(info, step, cp)})
         layers = blocks_per_rank(info, dims)
         if h and hd and layers:
             tokens = step.micro_batch * step.seq_len / cp
