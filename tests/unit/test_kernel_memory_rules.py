@@ -237,3 +237,22 @@ def test_context_parallel_splits_the_per_token_transient_not_the_weight_gradient
     assert whole == 240
     fsdp_only = compose(cand([("fsdp", {})], mb=8, dp_shard=4), info, hw).memory["temporary"]
     assert split - (fsdp_only - 240) == pytest.approx(100)  # fsdp's gathered units add the same on top
+
+
+def test_loss_owner_needs_a_head_and_components_are_a_list():
+    """LlamaModel has PreTrainedModel's loss_function property but no head: nothing would compute a loss, so
+    'loss' is refused; a dict is not a components list; duplicates collapse."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+    from torchloom.methods.compile import _loss_owner
+    from torchloom.strategy.strategy import Strategy
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    assert _loss_owner(LlamaModel(cfg)) is None
+    lm = LlamaForCausalLM(cfg)
+    assert _loss_owner(lm) is lm
+    with pytest.raises(StrategyError, match="components"):
+        Strategy.parse([("compile", {"components": {"loss": 0}})])
+    s = Strategy.parse([("compile", {"components": ["loss", "loss"]})])
+    assert [e.config.components for e in s.entries if e.name == "compile"] == [["loss"]]

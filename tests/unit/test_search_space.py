@@ -198,8 +198,12 @@ def test_user_method_with_search_configs_joins_the_space():
 def test_ranking_is_by_predicted_throughput_and_deterministic():
     info, hw = toy_info(), toy_hw()
     r = search(info=info, world_size=4, global_batch=8, hw=hw, options={"top_k": 0})
-    tps = [e.prediction.tokens_per_s for e in r.ranked]
+    # by throughput to 4 significant digits (closer is a tie), then the smaller peak memory
+    tps = [float(f"{e.prediction.tokens_per_s:.4g}") for e in r.ranked]
     assert tps == sorted(tps, reverse=True) and len(tps) > 20
+    for a, b in zip(r.ranked, r.ranked[1:]):
+        if float(f"{a.prediction.tokens_per_s:.4g}") == float(f"{b.prediction.tokens_per_s:.4g}"):
+            assert a.prediction.peak_memory_bytes <= b.prediction.peak_memory_bytes
     assert r.chosen.key() == r.ranked[0].candidate.key() and r.chosen_by == "predicted"
     again = search(info=info, world_size=4, global_batch=8, hw=hw, options={"top_k": 0})
     assert [e.candidate.key() for e in again.ranked] == [e.candidate.key() for e in r.ranked]

@@ -61,13 +61,18 @@ class Compile(Method):
         elif "loss" in self.config.components and info.rest is not None and not info.rest.peak_extra_fused:
             notes.append("loss: the analysis could not trace the loss as a fused kernel (a custom loss_func): "
                          "its memory is priced eager")
+        elif "loss" in self.config.components:
+            notes.append("loss: one fused cross-entropy (the logits kept in their dtype, their gradient written "
+                         "once; no fp32 copy or log-softmax)")
         return Effects(self.name, fused="model" in self.config.components, notes=notes)
 
     @classmethod
     def normalise_config(cls, raw):
         comps = raw.get("components") if isinstance(raw, dict) else None
         if comps is not None:
-            comps = [comps] if isinstance(comps, str) else list(comps)
+            if not isinstance(comps, (str, list, tuple)):
+                raise StrategyError(f"compile: components {comps!r}: a list of {list(COMPONENTS)}.")
+            comps = [comps] if isinstance(comps, str) else list(dict.fromkeys(comps))
             bad = [c for c in comps if c not in COMPONENTS]
             if bad or not comps:
                 raise StrategyError(f"compile: components {comps!r}: choose one or more of {list(COMPONENTS)} "
@@ -105,15 +110,22 @@ class Compile(Method):
             # the instance attribute wins over the class's default (PreTrainedModel.loss_function's setter)
             owner.loss_function = torch.compile(owner.loss_function, backend=c.backend, mode=c.mode,
                                                 fullgraph=c.fullgraph, dynamic=c.dynamic)
-            ctx.note(f"compile: {type(owner).__name__}.loss_function compiled (fused cross-entropy)")
+            fused = " (fused cross-entropy)" if c.backend in self.FUSING_BACKENDS else ""
+            ctx.note(f"compile: {type(owner).__name__}.loss_function compiled{fused}: it computes output.loss; a "
+                     "loss_func that does not read output.loss is not compiled")
 
 
 def _loss_owner(model):
     """The module whose ``loss_function`` computes the loss: the first whose class defines it as a settable
-    property (a Hugging Face ``PreTrainedModel`` with a head), searched from the top (wrappers included)."""
+    property (a Hugging Face ``PreTrainedModel``) and that has an output head (``get_output_embeddings()``:
+    ``LlamaModel``/``BertModel`` have the property but compute no loss), searched from the top (wrappers
+    included)."""
     for m in model.modules():
         prop = getattr(type(m), "loss_function", None)
-        if isinstance(prop, property) and prop.fset is not None:
+        if not (isinstance(prop, property) and prop.fset is not None):
+            continue
+        head = getattr(m, "get_output_embeddings", None)
+        if callable(head) and head() is not None:
             return m
     return None
 

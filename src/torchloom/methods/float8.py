@@ -91,12 +91,13 @@ class Float8(Method):
         if self.config.save_fp8_inputs:
             notes.append("weight GEMM inputs saved in FP8 (Transformer Engine; planning only)")
         if self.config.fsdp_float8_all_gather:
-            notes.append("FSDP all-gathers the blocks' weights in FP8")
+            notes.append("FSDP all-gathers the blocks' weights in FP8" if "fsdp" in step.methods else
+                         "fsdp_float8_all_gather has no effect without fsdp")
         return Effects(self.name, time_add={"casts": seconds}, notes=notes)
 
     @classmethod
     def normalise_config(cls, raw):
-        if isinstance(raw, dict) and raw.get("fsdp_float8_all_gather") and raw.get("recipe", "tensorwise") != "tensorwise":
+        if (isinstance(raw, dict) and raw.get("fsdp_float8_all_gather") and raw.get("recipe") == "rowwise"):
             raise StrategyError(f"float8: fsdp_float8_all_gather needs recipe 'tensorwise' (torchao all-gathers "
                                 f"FP8 weights with one scale per tensor only), got {raw.get('recipe')!r}: use "
                                 "recipe tensorwise or drop fsdp_float8_all_gather.")

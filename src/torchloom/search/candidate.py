@@ -77,7 +77,8 @@ class Candidate:
                 k = c.get("every_k", 1)
                 parts.append("ac" if k == 1 else f"ac/{k}")
             elif n == "float8":
-                parts.append("fp8")
+                parts.append("fp8" + ("/ag" if c.get("fsdp_float8_all_gather") else "")
+                             + ("/te" if c.get("save_fp8_inputs") else ""))
             elif n == "compile":
                 comps = list(c.get("components", ["model"]))
                 parts.append("compile" if comps == ["model"] else f"compile({'+'.join(comps)})")

@@ -110,7 +110,7 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
         raise StrategyError(_no_valid_message(result, world_size, options, space))
     if not result.ranked:
         raise StrategyError(_no_fit_message(result, info, world_size, hw, usable, options, space))
-    result.ranked.sort(key=lambda e: (-e.prediction.tokens_per_s, e.candidate.key()))
+    result.ranked.sort(key=rank_key)
     if light is not info:
         say(f"checking the model structure of the best of {len(result.ranked):,} candidates that fit")
         # only the best ``keep`` are needed: checking past them (up to FULL_CHECKS) would not change those rows
@@ -120,7 +120,7 @@ def search(model: nn.Module | Callable[[], nn.Module] | None = None, *, world_si
                                                         result, say))
     elif prune is not None and not prune.exact(result.ranked):
         _predict_skipped(prune, info, light, hw, predict, usable, seq_len, options, result, say)
-        result.ranked.sort(key=lambda e: (-e.prediction.tokens_per_s, e.candidate.key()))
+        result.ranked.sort(key=rank_key)
     result.skipped = prune.skipped_count if prune is not None else 0  # type: ignore[attr-defined]
     if not result.ranked:  # every candidate that fit memory failed the model-structure checks
         raise StrategyError(_no_valid_message(result, world_size, options, space))
@@ -398,7 +398,7 @@ def _check_structure_exact(result: SearchResult, info: ModelInfo, keep: int, pru
     for e in result.ranked:
         e.validated = True
     reprice()
-    result.ranked.sort(key=lambda e: (-e.prediction.tokens_per_s, e.candidate.key()))
+    result.ranked.sort(key=rank_key)
     _check_structure(result, info, keep)
 
 
@@ -508,6 +508,12 @@ def _batch_note(result: SearchResult, space: Space) -> str | None:
 
 def _layouts(n: int) -> str:
     return f"{n:,} layout{'s' if n != 1 else ''}"
+
+
+def rank_key(e) -> tuple:
+    """Ranking order: predicted throughput (to 4 significant digits: closer is a tie the model cannot
+    resolve), then the smaller peak memory (ZeRO-3 before ZeRO-2 at the same speed), then the candidate."""
+    return (-float(f"{e.prediction.tokens_per_s:.4g}"), e.prediction.peak_memory_bytes, e.candidate.key())
 
 
 def _no_valid_message(result: SearchResult, world: int, options: SearchOptions, space: Space) -> str:
