@@ -256,3 +256,15 @@ def test_loss_owner_needs_a_head_and_components_are_a_list():
         Strategy.parse([("compile", {"components": {"loss": 0}})])
     s = Strategy.parse([("compile", {"components": ["loss", "loss"]})])
     assert [e.config.components for e in s.entries if e.name == "compile"] == [["loss"]]
+
+
+def test_memoised_activations_follow_the_loss_kernel(tiny_llama_info):
+    """activation_bytes is memoised per model: a candidate with the fused loss after one without (and back)
+    reads its own rest activations."""
+    from torchloom.cost.effects import activation_bytes
+
+    info = tiny_llama_info
+    eager = StepShape.of(cand([("amp", {})], mb=1))
+    fused = StepShape.of(cand([("amp", {}), ("compile", {"components": ["loss"]})], mb=1))
+    e1, f1, e2 = activation_bytes(info, eager)[1], activation_bytes(info, fused)[1], activation_bytes(info, eager)[1]
+    assert f1 < e1 == e2

@@ -265,7 +265,7 @@ def activation_bytes(info, step) -> tuple[float, float]:
     """Baseline activations of one micro-batch: ``(blocks, rest)`` bytes as the step's kernels save them
     (:func:`step_activations`; the analysed sequence length scaled to ``step.seq_len``)."""
     scale = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
-    memo = ("act", step.activation_key, step.fused_blocks, step.fp8_saved_inputs)
+    memo = ("act", step.activation_key, step.fused_blocks, step.fused_loss, step.fp8_saved_inputs)
     blocks, rest = _memo(info, memo, lambda: (sum(step_activations(p, step) * p.count for p in info.blocks),
                                               step_activations(info.rest, step) if info.rest is not None else None))
     return blocks * scale, rest * scale if rest is not None else 0.0
