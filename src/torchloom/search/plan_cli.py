@@ -233,7 +233,11 @@ def plan(model: str, *, gpu: str | None = None, gpus: int | None = None, gpus_pe
 def _compile_config(options: dict[str, Any], info, notes: list[str]) -> dict[str, Any]:
     """An included ``compile`` without a config compiles the blocks and, when the model's loss is a Hugging
     Face ``loss_function`` the analysis could trace fused, the loss too (torchtitan's default components)."""
-    if "compile" not in (options.get("include") or ()) or "compile" in (options.get("configs") or {}):
+    from .options import canonical_choice
+
+    included = {canonical_choice(n) for n in options.get("include") or ()}
+    configured = {canonical_choice(n) for n in options.get("configs") or {}}
+    if "compile" not in included or "compile" in configured:
         return options
     loss = info.rest is not None and bool(info.rest.peak_extra_fused)
     components = ["model", "loss"] if loss else ["model"]
