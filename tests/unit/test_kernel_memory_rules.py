@@ -268,3 +268,24 @@ def test_memoised_activations_follow_the_loss_kernel(tiny_llama_info):
     fused = StepShape.of(cand([("amp", {}), ("compile", {"components": ["loss"]})], mb=1))
     e1, f1, e2 = activation_bytes(info, eager)[1], activation_bytes(info, fused)[1], activation_bytes(info, eager)[1]
     assert f1 < e1 == e2
+
+
+def test_a_model_that_runs_one_sample_only_keeps_the_one_sample_transient():
+    """The rest is also traced at 2 and 3 samples; a model whose forward only takes one sample (a reshape that
+    drops the batch dimension) cannot be: the analysis notes it and prices the transient as before
+    (the one-sample trace's times the micro-batch) instead of failing."""
+    from torchloom.cost import eager_overhead
+    from torchloom.cost.analysis import analyze_model
+
+    class OneSample(eager_overhead.ReferenceDecoder):
+        def forward(self, input_ids, labels):
+            assert input_ids.shape[0] == 1, "one sample only"
+            return super().forward(input_ids, labels)
+
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    info = analyze_model(OneSample(), seq_len=8, sample_input={"input_ids": ids, "labels": ids},
+                         input_format="unpack_dict", loss_func=lambda b, o: o)
+    assert not info.rest.peak_lines and any("2 samples" in n for n in info.notes)
+    grown = analyze_model(eager_overhead.ReferenceDecoder(), seq_len=8, sample_input={"input_ids": ids, "labels": ids},
+                          input_format="unpack_dict", loss_func=lambda b, o: o)
+    assert grown.rest.peak_lines

@@ -577,12 +577,16 @@ class _Analysis:
             moment is the peak depends on the micro-batch. Traced at 2 and 3 samples, every moment's live bytes
             is a line in the batch size; the one-sample values follow from the lines (a one-sample trace runs
             too where its op costs are needed, ``need_one``, or the lines cannot be had)."""
-            if not two_point:
-                one = trace(precision, fused_loss)
-                one["lines"] = []
-                return one
-            two, three = trace(precision, fused_loss, samples=2), trace(precision, fused_loss, samples=3)
-            lines = _peak_lines(two, three)
+            nonlocal two_point
+            two = three = None
+            if two_point:
+                try:
+                    two, three = trace(precision, fused_loss, samples=2), trace(precision, fused_loss, samples=3)
+                except Exception as e:  # noqa: BLE001  (a model that runs one sample only: priced as before)
+                    two_point = False
+                    self._note(f"the rest could not be traced at 2 samples ({type(e).__name__}): its transient is "
+                               "priced as the one-sample trace's times the micro-batch")
+            lines = _peak_lines(two, three) if two is not None else []
             if need_one or not lines:
                 one = trace(precision, fused_loss)
             else:
@@ -594,8 +598,13 @@ class _Analysis:
         two_point = self._batched()
         for precision in ("float32", "bfloat16"):
             res[precision] = traced(precision, need_one=precision == "float32")  # its op costs price the rest
-            if fusable:
-                fused[precision] = traced(precision, fused_loss=True)
+        if fusable:
+            try:
+                fused = {precision: traced(precision, fused_loss=True) for precision in ("float32", "bfloat16")}
+            except Exception as e:  # noqa: BLE001  (a loss_function the stand-in cannot replace: priced eager)
+                fused = {}
+                self._note(f"the loss could not be traced as a fused kernel ({type(e).__name__}: {e}); compile's "
+                           "'loss' component is priced eager")
         rec = res["float32"]["rec"]
         if rec.unshaped_flops() or any(g.traced["float32"]["rec"].unshaped_flops() for g in groups):
             self._note("some FLOPs come from ops without a GEMM shape rule (counted in matmul_flops only).")
