@@ -1,4 +1,5 @@
-"""`compile`: ``torch.compile`` each repeated block (optional)."""
+"""`compile`: ``torch.compile`` each repeated block and, with ``components: [.., loss]``, a Hugging Face model's
+loss (optional)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,8 +49,9 @@ class Compile(Method):
         """Inductor fuses each chain of non-matmul ops between two matrix products into one kernel: the
         blocks' memory-bound traffic becomes the fused chains' (only tensors entering or leaving a chain move,
         :attr:`~torchloom.cost.model_info.PassCost.fused_bytes`, measured on the traced graph) and one launch
-        per chain. Matrix products and attention kernels are unchanged; the rest (embedding, head, loss) stays
-        eager, as ``apply`` compiles the blocks only. Other backends (``aot_eager``) run the eager kernels.
+        per chain. Matrix products and attention kernels are unchanged; the embedding and the head stay eager,
+        and the loss unless ``components`` names it (then its memory is the fused-loss trace's:
+        ``StepShape.fused_loss``). Other backends (``aot_eager``) run the eager kernels.
         The blocks save no chain-internal intermediates (recomputed in backward): the baseline's activations
         already say so (``StepShape.fused_blocks``, :func:`~torchloom.cost.effects.step_activations`), so
         every method's memory rule starts from what the compiled blocks save."""
