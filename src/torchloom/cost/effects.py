@@ -261,10 +261,16 @@ def hidden_bytes(info, step, dtype: str | None = None) -> float:
     return step.micro_batch * step.seq_len * h * dtype_bytes(dtype or step.compute_dtype)
 
 
+def analysed_samples(info, step) -> float:
+    """One micro-batch in analysed samples: ``micro_batch`` samples of ``step.seq_len`` tokens, the analysis'
+    per-sample quantities being at ``info.seq_len`` tokens (activations and transients scale with it)."""
+    return step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
+
+
 def activation_bytes(info, step) -> tuple[float, float]:
     """Baseline activations of one micro-batch: ``(blocks, rest)`` bytes as the step's kernels save them
     (:func:`step_activations`; the analysed sequence length scaled to ``step.seq_len``)."""
-    scale = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
+    scale = analysed_samples(info, step)
     memo = ("act", step.activation_key, step.fused_blocks, step.fused_loss, step.fp8_saved_inputs)
     blocks, rest = _memo(info, memo, lambda: (sum(step_activations(p, step) * p.count for p in info.blocks),
                                               step_activations(info.rest, step) if info.rest is not None else None))
@@ -303,7 +309,7 @@ def split_tokens_temporary_scale(info, step, split: float) -> float:
     """Multiplier of the baseline's transient when each rank holds ``1/split`` of every sample's tokens
     (context parallelism, Ulysses): the per-token share of each part's transient divides, its state-sized share
     (the head's and a tied embedding's weight gradients: ``PartInfo.peak_lines``) does not."""
-    samples = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
+    samples = analysed_samples(info, step)
     whole = max((step_peak(p, step, samples) for p in info.parts), default=0.0)
     if whole <= 0 or split <= 1:
         return 1.0

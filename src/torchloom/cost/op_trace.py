@@ -439,12 +439,8 @@ class OpRecorder(TorchDispatchMode):
                 continue
             seen.add(node)
             stack.extend(f for f, _ in node.next_functions)
-            tensors = []
-            for attr in dir(node):
-                if attr.startswith("_saved_"):
-                    v = getattr(node, attr)
-                    tensors += [v] if isinstance(v, torch.Tensor) else [x for x in v if isinstance(x, torch.Tensor)] \
-                        if isinstance(v, (tuple, list)) else []
+            values = [getattr(node, a) for a in dir(node) if a.startswith("_saved_")]
+            tensors = [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
             keys = [storage_key(t) for t in tensors]
             weight = node.name() in gemm_nodes and any(k in self.state or k in self.derived for k in keys)
             for t, k in zip(tensors, keys):

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..cost.memo import memo_model_check
-from ..cost.effects import Effects, activation_bytes, blocks_per_rank, dtype_bytes, step_peak
+from ..cost.effects import Effects, activation_bytes, analysed_samples, blocks_per_rank, dtype_bytes, step_peak
 from ..errors import StrategyError
 from ..parallel.blocks import find_blocks
 from ..strategy.registry import Method, Stage, register_method
@@ -70,7 +70,7 @@ class ActivationCheckpoint(Method):
         chosen = math.ceil(nb / self.config.every_k)
         f = chosen / nb
         blocks, rest = activation_bytes(info, step)
-        scale = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
+        scale = analysed_samples(info, step)
         # the residual stream between blocks: fp32 under plain autocast, low precision under half or fsdp's
         # mixed precision (StepShape.residual_dtype)
         inputs = sum(p.input_bytes * p.count for p in info.blocks) * scale * dtype_bytes(step.residual_dtype) / 4

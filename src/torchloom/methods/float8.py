@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from ..cost.effects import Effects, blocks_per_rank
+from ..cost.effects import Effects, analysed_samples, blocks_per_rank
 from ..errors import StrategyError
 from ..parallel.blocks import find_blocks
 from ..strategy.registry import Method, Stage, register_method
@@ -75,7 +75,7 @@ class Float8(Method):
             have = sorted(a.name for a in ACCELERATORS.values() if "float8" in a.peak_flops)
             raise StrategyError(f"float8: {hw.name} has no FP8 tensor cores (no float8 rate in its hardware "
                                 f"description); plan float8 on {', '.join(have)}, or drop float8.")
-        mb = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
+        mb = analysed_samples(info, step)
         per_block = 0.0
         for part in info.blocks:
             for g in part.fwd.matmuls:

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ..cost.effects import (Collective, Effects, activation_bytes, attention_is_eager, blocks_per_rank,
-                            dtype_bytes, hidden_bytes, step_peak)
+                            analysed_samples, dtype_bytes, hidden_bytes, step_peak)
 from ..cost.memo import memo_model_check
 from ..errors import StrategyError
 from ..parallel.tensor import Flags, auto_plan, check_divisible, custom_plan, parallelize_part, resolve_plan
@@ -124,7 +124,7 @@ class TensorParallel(Method):
             e.memory_scale["activations"] = (blocks * blk + rest * rest_scale) / (blocks + rest)
         # transients: a block's (its widest intermediate is column-sharded) and the loss's (the logits and their
         # fp32 log-softmax: vocabulary-sharded under loss_parallel, gathered whole otherwise)
-        samples = step.micro_batch * (step.seq_len / info.seq_len if info.seq_len else 1.0)
+        samples = analysed_samples(info, step)
         blk_peak = max((step_peak(p, step, samples) for p in info.blocks), default=0.0)
         rest_peak = step_peak(info.rest, step, samples) if info.rest is not None else 0.0
         base_peak = max(blk_peak, rest_peak)
